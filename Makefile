@@ -1,0 +1,28 @@
+# The two commands a new user needs are `make demo` and `make test` (see README.md).
+# Both set everything up first (idempotent: a second run skips what is built).
+
+PYTHON ?= python3
+VENV_PY := .venv/bin/python
+SETUP_ARGS ?=
+
+.PHONY: setup demo test test-fast patches bench clean
+
+setup:
+	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
+
+demo: setup
+	$(VENV_PY) -m rotaryquant.demo
+
+test: setup
+	$(VENV_PY) -m pytest -q $(PYTEST_ARGS)
+
+# the suite without the slow end-to-end tests (generation, server, backend-ops)
+test-fast: setup
+	$(VENV_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# write edits made in build/src/llama-cpp-python (committed there) back to ggml-patches/*.patch
+patches:
+	$(PYTHON) -m rotaryquant.build export-patches
+
+clean:
+	rm -rf build .venv

@@ -1,0 +1,33 @@
+"""Python glue to the patched llama.cpp: our type ids, ggml (de)quantisation, IsoQuant counters.
+
+``llama_cpp`` itself is the user API (``llama_cpp.Llama(..., type_k=..., type_v=..., flash_attn=True)``);
+set-up installs it on top of our build, so nothing here replaces it.
+"""
+
+from rotaryquant.bindings.ggml import (
+    COUNTERS,
+    GGMLType,
+    RQTypeError,
+    counters,
+    dequantize,
+    iso_unfused,
+    iso_variant,
+    lib_dir,
+    quantize,
+    reset_counters,
+    row_size,
+    rq_version,
+    set_iso_skip_inverse,
+    set_iso_unfused,
+    set_iso_variant,
+    type_from_name,
+    type_name,
+    type_names,
+)
+from rotaryquant.bindings.tools import binary, bin_dir
+
+__all__ = [
+    "COUNTERS", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
+    "iso_variant", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
+    "set_iso_unfused", "set_iso_variant", "type_from_name", "type_name", "type_names",
+]

@@ -1,0 +1,223 @@
+"""ctypes access to the patched ggml that llama_cpp loads: type ids, (de)quantisation, counters.
+
+llama_cpp loads ``llama_cpp/lib/libllama.so``; set-up points that folder at our build, so the
+``libggml-base.so`` opened here is the very library llama_cpp uses (the dynamic loader hands back
+the already-loaded object), and the counters read here are the ones its attention increments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+
+class RQTypeError(ValueError):
+    """An unknown ggml type name."""
+
+
+class GGMLType(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    IQ3_XXS = 18
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ4_XS = 23
+    BF16 = 30
+    ISOQUANT3_0 = 240
+    ITQ3_S = 241
+
+
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")
+ISO_VARIANTS = ("v3", "v2", "v1", "none")
+
+
+def lib_dir() -> Path:
+    """The folder llama_cpp loads its shared libraries from."""
+    import llama_cpp  # noqa: F401  (loads libllama and, through it, libggml*)
+
+    return Path(llama_cpp.__file__).resolve().parent / "lib"
+
+
+@functools.cache
+def _ggml() -> ctypes.CDLL:
+    lib = lib_dir()
+    # libggml.so pulls in libggml-base and libggml-cpu (ggml_quantize_chunk & co. live in ggml-base)
+    base = ctypes.CDLL(str(lib / "libggml-base.so"))
+    ctypes.CDLL(str(lib / "libggml-cpu.so"))
+    if not hasattr(base, "ggml_rq_version"):
+        raise RuntimeError(f"{lib}/libggml-base.so is not the RotaryQuant build (no ggml_rq_version); "
+                           "re-run `make setup`")
+    base.ggml_rq_version.restype = ctypes.c_int
+    base.ggml_rq_counter_get.restype = ctypes.c_uint64
+    base.ggml_rq_counter_get.argtypes = [ctypes.c_int]
+    base.ggml_rq_counter_name.restype = ctypes.c_char_p
+    base.ggml_rq_counter_name.argtypes = [ctypes.c_int]
+    base.ggml_rq_counters_reset.restype = None
+    base.ggml_rq_set_iso_unfused.argtypes = [ctypes.c_bool]
+    base.ggml_rq_get_iso_unfused.restype = ctypes.c_bool
+    base.ggml_rq_iso_set_variant.argtypes = [ctypes.c_int]
+    base.ggml_rq_iso_get_variant.restype = ctypes.c_int
+    base.ggml_rq_iso_set_skip_inverse.argtypes = [ctypes.c_bool]
+    base.ggml_type_name.restype = ctypes.c_char_p
+    base.ggml_type_name.argtypes = [ctypes.c_int]
+    base.ggml_blck_size.restype = ctypes.c_int64
+    base.ggml_blck_size.argtypes = [ctypes.c_int]
+    base.ggml_row_size.restype = ctypes.c_size_t
+    base.ggml_row_size.argtypes = [ctypes.c_int, ctypes.c_int64]
+    base.ggml_quantize_chunk.restype = ctypes.c_size_t
+    base.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
+    base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
+    base.ggml_get_type_traits.restype = ctypes.c_void_p
+    base.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    return base
+
+
+def rq_version() -> int:
+    return int(_ggml().ggml_rq_version())
+
+
+def type_from_name(name: str) -> int:
+    """ggml type id from its name as ggml spells it (``isoquant3_0``, ``q8_0``, ``itq3_s`` ...)."""
+    ids = _type_ids()
+    try:
+        return ids[name.strip().lower()]
+    except KeyError:
+        raise RQTypeError(f"unknown ggml type {name!r}; known: {', '.join(sorted(ids))}") from None
+
+
+@functools.cache
+def _type_count() -> int:
+    import llama_cpp
+
+    return int(llama_cpp.GGML_TYPE_COUNT)
+
+
+@functools.cache
+def _type_ids() -> dict[str, int]:
+    out = {}
+    for t in range(_type_count()):
+        tn = _ggml().ggml_type_name(t)
+        if tn and _ggml().ggml_blck_size(t) > 0 and b" " not in tn:
+            out[tn.decode().lower()] = t
+    return out
+
+
+def type_names() -> tuple[str, ...]:
+    return tuple(_ggml().ggml_type_name(t).decode() for t in _type_ids().values())
+
+
+def type_name(t: int) -> str:
+    tn = _ggml().ggml_type_name(int(t))
+    if not tn:
+        raise RQTypeError(f"unknown ggml type id {t}")
+    return tn.decode()
+
+
+def row_size(t: int, n: int) -> int:
+    return int(_ggml().ggml_row_size(int(t), int(n)))
+
+
+def quantize(x: np.ndarray, t: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+    """Quantise rows of ``x`` (2-D float32, shape (nrows, n_per_row)) with ggml's own quantiser."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    nrows, n = x.shape
+    blck = int(_ggml().ggml_blck_size(int(t)))
+    if blck <= 0 or n % blck:
+        raise ValueError(f"rows of {n} values are not a multiple of {type_name(t)}'s block size {blck}")
+    if imatrix is None and _ggml().ggml_quantize_requires_imatrix(int(t)):
+        raise ValueError(f"{type_name(t)} needs an importance matrix")
+    out = np.empty((nrows, row_size(t, n)), dtype=np.uint8)
+    im = None
+    if imatrix is not None:
+        imatrix = np.ascontiguousarray(imatrix, dtype=np.float32)
+        if imatrix.shape != (n,):
+            raise ValueError(f"imatrix has shape {imatrix.shape}, expected ({n},)")
+        im = imatrix.ctypes.data
+    done = _ggml().ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, nrows, n, im)
+    assert done == out.nbytes
+    return out
+
+
+class _TypeTraits(ctypes.Structure):
+    _fields_ = [
+        ("type_name", ctypes.c_char_p),
+        ("blck_size", ctypes.c_int64),
+        ("blck_size_interleave", ctypes.c_int64),
+        ("type_size", ctypes.c_size_t),
+        ("is_quantized", ctypes.c_bool),
+        ("to_float", ctypes.c_void_p),
+        ("from_float_ref", ctypes.c_void_p),
+    ]
+
+
+_TO_FLOAT = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64)
+
+
+def dequantize(q: np.ndarray, t: int, n_per_row: int) -> np.ndarray:
+    """Dequantise packed rows (uint8, shape (nrows, row_size)) with ggml's to_float."""
+    q = np.ascontiguousarray(q, dtype=np.uint8)
+    if q.ndim == 1:
+        q = q[None, :]
+    if q.shape[1] != row_size(t, n_per_row):
+        raise ValueError(f"packed rows of {q.shape[1]} bytes do not hold {n_per_row} {type_name(t)} values")
+    traits = _TypeTraits.from_address(_ggml().ggml_get_type_traits(int(t)))
+    if not traits.to_float:
+        raise ValueError(f"{type_name(t)} has no to_float")
+    out = np.empty((q.shape[0], n_per_row), dtype=np.float32)
+    _TO_FLOAT(traits.to_float)(q.ctypes.data, out.ctypes.data, q.shape[0] * n_per_row)
+    return out
+
+
+# --- counters and switches ------------------------------------------------------------------
+
+def counters() -> dict[str, int]:
+    """Process-wide IsoQuant counters (see ggml-rq.h)."""
+    lib = _ggml()
+    return {COUNTERS[i]: int(lib.ggml_rq_counter_get(i)) for i in range(len(COUNTERS))}
+
+
+def reset_counters() -> None:
+    _ggml().ggml_rq_counters_reset()
+
+
+def set_iso_unfused(unfused: bool) -> None:
+    """Unfused IsoQuant attention for contexts created from now on (K/V cast to F16 first)."""
+    _ggml().ggml_rq_set_iso_unfused(bool(unfused))
+
+
+def iso_unfused() -> bool:
+    return bool(_ggml().ggml_rq_get_iso_unfused())
+
+
+def set_iso_variant(variant: str) -> None:
+    """Research switch: rotation variant (v3 = the type; v2/v1/none = Table 8 ablations)."""
+    if variant not in ISO_VARIANTS:
+        raise ValueError(f"unknown IsoQuant variant {variant!r}; choose from {', '.join(ISO_VARIANTS)}")
+    _ggml().ggml_rq_iso_set_variant(ISO_VARIANTS.index(variant))
+
+
+def iso_variant() -> str:
+    return ISO_VARIANTS[int(_ggml().ggml_rq_iso_get_variant())]
+
+
+def set_iso_skip_inverse(skip: bool) -> None:
+    """Research switch: fused attention leaves its output rotated (the paper's 'no inverse' ablation)."""
+    _ggml().ggml_rq_iso_set_skip_inverse(bool(skip))

@@ -1,0 +1,87 @@
+"""rotaryquant.bindings: llama_cpp runs on our patched library; type ids, (de)quantisation, counters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rotaryquant import bindings, paths
+
+
+def test_fresh_interpreter_loads_the_patched_library():
+    # no environment variable: llama_cpp must find our build by itself
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_CPP_LIB_PATH"}
+    code = (
+        "import llama_cpp, ctypes, pathlib;"
+        "maps = pathlib.Path('/proc/self/maps').read_text();"
+        "libs = sorted({l.split()[-1] for l in maps.splitlines() if 'libllama.so' in l or 'libggml-base.so' in l});"
+        "print(llama_cpp.GGML_TYPE_ISOQUANT3_0, llama_cpp.GGML_TYPE_ITQ3_S, llama_cpp.GGML_TYPE_COUNT);"
+        "base = [l for l in libs if 'libggml-base.so' in l][0];"
+        "print(ctypes.CDLL(base).ggml_rq_version());"
+        "print('\\n'.join(libs))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    lines = out.strip().splitlines()
+    assert lines[0] == "240 241 244"
+    assert int(lines[1]) >= 1  # a stock libggml-base has no ggml_rq_version
+    build = paths.build_dir().resolve()
+    for lib in lines[2:]:
+        assert Path(lib).resolve().is_relative_to(build), f"{lib} is not from our build in {build}"
+
+
+def test_type_ids_agree_everywhere():
+    import gguf
+    import llama_cpp
+
+    assert bindings.type_from_name("isoquant3_0") == llama_cpp.GGML_TYPE_ISOQUANT3_0 == 240
+    assert gguf.GGMLQuantizationType.ISOQUANT3_0 == 240
+    assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.ISOQUANT3_0] == (128, 50)
+    assert bindings.row_size(bindings.GGMLType.ISOQUANT3_0, 256) == 100
+    with pytest.raises(bindings.RQTypeError, match="unknown ggml type"):
+        bindings.type_from_name("isoquant9_9")
+
+
+def test_quantize_roundtrip_through_ggml():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    for t in (bindings.GGMLType.Q8_0, bindings.GGMLType.ISOQUANT3_0):
+        q = bindings.quantize(x, t)
+        assert q.shape == (64, bindings.row_size(t, 256))
+        y = bindings.dequantize(q, t, 256)
+        rel = np.linalg.norm(y - x) / np.linalg.norm(x)
+        assert rel < (0.01 if t == bindings.GGMLType.Q8_0 else 0.25)
+    with pytest.raises(ValueError, match="block size"):
+        bindings.quantize(x[:, :100], bindings.GGMLType.ISOQUANT3_0)
+
+
+def test_counters_count_dequantised_rows():
+    bindings.reset_counters()
+    assert set(bindings.counters()) == set(bindings.COUNTERS)
+    x = np.ones((3, 256), dtype=np.float32)
+    q = bindings.quantize(x, bindings.GGMLType.ISOQUANT3_0)
+    c = bindings.counters()
+    assert c["iso_quant_rows"] == 6 and c["iso_dequant_rows"] == 0
+    bindings.dequantize(q, bindings.GGMLType.ISOQUANT3_0, 256)
+    assert bindings.counters()["iso_dequant_rows"] == 6
+    bindings.reset_counters()
+    assert bindings.counters()["iso_dequant_rows"] == 0
+
+
+def test_switches_round_trip():
+    assert bindings.iso_variant() == "v3"
+    bindings.set_iso_variant("v2")
+    try:
+        assert bindings.iso_variant() == "v2"
+    finally:
+        bindings.set_iso_variant("v3")
+    with pytest.raises(ValueError, match="unknown IsoQuant variant"):
+        bindings.set_iso_variant("v9")
+    was = bindings.iso_unfused()
+    bindings.set_iso_unfused(True)
+    assert bindings.iso_unfused()
+    bindings.set_iso_unfused(was)

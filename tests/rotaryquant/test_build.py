@@ -1,0 +1,89 @@
+"""rotaryquant.build: pinned upstream, patch series, the built programs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from rotaryquant import build, paths
+
+
+def _pristine_copy(upstream_tree: Path, dest: Path) -> Path:
+    subprocess.run(["git", "clone", "-q", "--no-checkout", str(upstream_tree), str(dest)], check=True)
+    subprocess.run(["git", "-C", str(dest), "checkout", "-q", "pristine"], check=True)
+    return dest
+
+
+def test_lock_pins_the_sdist():
+    lock = build.read_lock()
+    assert (lock.package, lock.version) == ("llama-cpp-python", "0.3.36")
+    assert len(lock.sha256) == 64
+
+
+def test_series_applies_to_pristine_upstream(upstream_tree, tmp_path):
+    root = _pristine_copy(upstream_tree, tmp_path / "tree")
+    series = build.patch_series()
+    assert series, "ggml-patches/ holds no patches"
+    build.apply_series(root, series, build.read_lock())
+    log = subprocess.run(["git", "-C", str(root), "log", "--format=%s", "pristine..HEAD"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(log) == len(series)
+    # the hooks reference our sources by path, and the sources exist
+    cm = (root / "vendor/llama.cpp/ggml/src/CMakeLists.txt").read_text()
+    assert "ggml-rq/isoquant.c" in cm
+    assert (build.PATCH_DIR / "src" / "isoquant.c").exists()
+
+
+def test_broken_patch_is_named(upstream_tree, tmp_path):
+    root = _pristine_copy(upstream_tree, tmp_path / "tree")
+    bad_dir = tmp_path / "patches"
+    bad_dir.mkdir()
+    series = build.patch_series()
+    for p in series:
+        shutil.copy(p, bad_dir / p.name)
+    victim = bad_dir / series[-1].name
+    text = victim.read_text()
+    # damage a context line so the hunk no longer matches the pristine tree
+    lines = text.splitlines(keepends=True)
+    first_hunk = next(i for i, ln in enumerate(lines) if ln.startswith("@@"))
+    i = next(i for i in range(first_hunk, len(lines)) if lines[i].startswith(" ") and len(lines[i].strip()) > 8)
+    lines[i] = " THIS LINE IS NOT IN UPSTREAM\n"
+    victim.write_text("".join(lines))
+    with pytest.raises(build.SetupError, match=victim.name):
+        build.apply_series(root, sorted(bad_dir.glob("*.patch")), build.read_lock())
+    # git am was aborted: nothing half-applied is left in progress
+    assert not (root / ".git" / "rebase-apply").exists()
+
+
+def test_checksum_mismatch_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("RQ_CACHE", str(tmp_path / "cache"))
+    lock = build.read_lock()
+    wrong = build.Lock(lock.package, lock.version, lock.sdist, "0" * 64)
+    with pytest.raises(build.SetupError, match="checksum mismatch"):
+        build.fetch_sdist(wrong)
+    assert not any((tmp_path / "cache" / "dl").glob("*.tar.gz"))
+
+
+def test_tracked_files_hold_no_upstream_source():
+    files = subprocess.run(["git", "-C", str(paths.REPO), "ls-files"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    upstream_markers = ("ggml/src/ggml.c", "src/llama-context.cpp", "ggml/include/ggml.h", "convert_hf_to_gguf.py")
+    assert not [f for f in files if f.endswith(upstream_markers)]
+
+
+@pytest.mark.parametrize("program", [t for t in build.TARGETS if not t.startswith(("ggml", "llama", "mtmd", "rq-"))
+                                     or t.startswith("llama-") or t == "ggml-rpc-server"])
+def test_program_was_built(bin_dir, program):
+    assert (bin_dir / program).exists()
+
+
+@pytest.mark.parametrize("lib", ["libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu.so", "libggml-rpc.so"])
+def test_shared_library_was_built(bin_dir, lib):
+    assert (bin_dir / lib).exists()
+
+
+def test_cuda_is_off_by_default(bin_dir):
+    assert not (bin_dir / "libggml-cuda.so").exists()
