@@ -1,0 +1,186 @@
+"""KV-cache speed and size: llama-bench per cache type, fused vs unfused, at several depths, in one run.
+
+Every number that is compared is a ratio inside the same run (these machines are noisy): decode
+t/s of each type over f16 at the same depth, fused over unfused. KV bytes per token come from the
+model's shapes and the types' block sizes (and are checked against the size llama.cpp logs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import gguf
+
+from rotaryquant.bindings import tools
+
+# (label, cache type, unfused)
+DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
+    ("f16", "f16", False),
+    ("q8_0", "q8_0", False),
+    ("q4_0", "q4_0", False),
+    ("isoquant3_0", "isoquant3_0", False),
+    ("isoquant3_0-unfused", "isoquant3_0", True),
+)
+
+# bytes per value of each cache type (type_size / block_size)
+BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "f32": 4.0}
+
+
+class BenchError(RuntimeError):
+    """A benchmark could not run; the message says why and what to change."""
+
+
+@dataclass
+class KVShape:
+    n_layer: int
+    n_embd_k_gqa: list[int]  # per layer
+    n_embd_v_gqa: list[int]
+    swa_layers: list[bool]
+    sliding_window: int | None
+
+    def bytes_per_token(self, cache_type: str) -> float:
+        """KV bytes one token adds to the cache (all layers, K and V)."""
+        bpv = BYTES_PER_VALUE[cache_type]
+        return sum((k + v) * bpv for k, v in zip(self.n_embd_k_gqa, self.n_embd_v_gqa))
+
+
+def kv_shape(model: Path) -> KVShape:
+    """Per-layer K/V widths from the GGUF metadata (no llama.cpp context needed)."""
+    r = gguf.GGUFReader(str(model))
+    arch = r.get_field("general.architecture").contents()
+
+    def get(key: str, default=None):
+        f = r.get_field(f"{arch}.{key}")
+        return default if f is None else f.contents()
+
+    n_layer = int(get("block_count"))
+    n_head = get("attention.head_count")
+    n_head_kv = get("attention.head_count_kv", n_head)
+    n_embd = int(get("embedding_length"))
+    hk = get("attention.key_length")
+    hv = get("attention.value_length")
+
+    def per_layer(v) -> list[int]:
+        return [int(x) for x in v] if isinstance(v, list) else [int(v)] * n_layer
+
+    heads = per_layer(n_head)
+    heads_kv = per_layer(n_head_kv)
+    hk = int(hk) if hk is not None else n_embd // heads[0]
+    hv = int(hv) if hv is not None else n_embd // heads[0]
+    sw = get("attention.sliding_window")
+    pattern = get("attention.sliding_window_pattern")
+    swa = [False] * n_layer
+    if sw and pattern is not None:
+        swa = [bool(x) for x in pattern] if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
+    return KVShape(n_layer, [h * hk for h in heads_kv], [h * hv for h in heads_kv], swa, int(sw) if sw else None)
+
+
+@dataclass
+class BenchRow:
+    label: str
+    cache_type: str
+    unfused: bool
+    depth: int
+    pp_tps: float | None = None
+    tg_tps: float | None = None
+    pp_std: float | None = None
+    tg_std: float | None = None
+    kv_bytes_per_token: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list[int], n_prompt: int,
+                    n_gen: int, reps: int, threads: int, timeout: float) -> list[dict]:
+    cmd = [str(tools.binary("llama-bench")), "-m", str(model), "-fa", "1", "-ctk", cache_type, "-ctv", cache_type,
+           "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
+           "-t", str(threads), "-o", "json", "--no-warmup"]
+    env = dict(os.environ)
+    env.pop("LLAMA_ISOQUANT_UNFUSED", None)
+    if unfused:
+        env["LLAMA_ISOQUANT_UNFUSED"] = "1"
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise BenchError(f"llama-bench failed for {cache_type} (exit {proc.returncode}): {proc.stderr[-1500:]}")
+    return json.loads(proc.stdout)
+
+
+def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_prompt: int = 512, n_gen: int = 32,
+          reps: int = 2, threads: int = 2, timeout: float = 3600, progress=print) -> dict:
+    shape = kv_shape(model)
+    rows: list[BenchRow] = []
+    t0 = time.time()
+    for label, ctype, unfused in configs:
+        progress(f"[rq-bench] {label}: depths {list(depths)}")
+        for rec in run_llama_bench(model, ctype, unfused=unfused, depths=list(depths), n_prompt=n_prompt,
+                                   n_gen=n_gen, reps=reps, threads=threads, timeout=timeout):
+            depth = int(rec.get("n_depth", 0))
+            row = next((r for r in rows if r.label == label and r.depth == depth), None)
+            if row is None:
+                row = BenchRow(label, ctype, unfused, depth, kv_bytes_per_token=shape.bytes_per_token(ctype))
+                rows.append(row)
+            if int(rec["n_prompt"]) > 0 and int(rec["n_gen"]) == 0:
+                row.pp_tps, row.pp_std = float(rec["avg_ts"]), float(rec["stddev_ts"])
+            elif int(rec["n_gen"]) > 0 and int(rec["n_prompt"]) == 0:
+                row.tg_tps, row.tg_std = float(rec["avg_ts"]), float(rec["stddev_ts"])
+    # ratios inside this run
+    for r in rows:
+        base = next((b for b in rows if b.label == "f16" and b.depth == r.depth), None)
+        if base and base.tg_tps and r.tg_tps:
+            r.extra["tg_vs_f16"] = r.tg_tps / base.tg_tps
+        if base and base.pp_tps and r.pp_tps:
+            r.extra["pp_vs_f16"] = r.pp_tps / base.pp_tps
+        if r.label == "isoquant3_0":
+            unf = next((b for b in rows if b.label == "isoquant3_0-unfused" and b.depth == r.depth), None)
+            if unf and unf.tg_tps and r.tg_tps:
+                r.extra["tg_fused_over_unfused"] = r.tg_tps / unf.tg_tps
+            if unf and unf.pp_tps and r.pp_tps:
+                r.extra["pp_fused_over_unfused"] = r.pp_tps / unf.pp_tps
+            q4 = next((b for b in rows if b.label == "q4_0" and b.depth == r.depth), None)
+            if q4 and q4.tg_tps and r.tg_tps:
+                r.extra["tg_vs_q4_0"] = r.tg_tps / q4.tg_tps
+    return {
+        "model": model.name,
+        "kv_shape": asdict(shape),
+        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "settings": {"n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "threads": threads, "depths": list(depths)},
+        "seconds": round(time.time() - t0, 1),
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def to_markdown(res: dict) -> str:
+    def f(x, nd=1):
+        return "–" if x is None else f"{x:.{nd}f}"
+
+    lines = [
+        f"# KV-cache benchmark: {res['model']}",
+        "",
+        f"{res['date']}, {res['machine']['cpu']}, {res['settings']['threads']} threads; "
+        f"llama-bench -fa 1, pp{res['settings']['n_prompt']} / tg{res['settings']['n_gen']} after a "
+        f"prefilled depth, {res['settings']['reps']} reps; ratios are within this run.",
+        "",
+        "| cache | depth | KV bytes/token | pp t/s | tg t/s | tg / f16 | tg fused/unfused | tg / q4_0 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sorted(res["rows"], key=lambda r: (r["depth"], r["label"])):
+        e = r["extra"]
+        lines.append(f"| {r['label']} | {r['depth']} | {r['kv_bytes_per_token']:.0f} | {f(r['pp_tps'])} | {f(r['tg_tps'])} "
+                     f"| {f(e.get('tg_vs_f16'), 2)} | {f(e.get('tg_fused_over_unfused'), 2)} | {f(e.get('tg_vs_q4_0'), 2)} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,64 @@
+#pragma once
+
+// RotaryQuant additions to ggml: the ISOQUANT3_0 KV-cache type, the ITQ3_S weight type,
+// process-wide counters that show which attention path ran, and research switches.
+// Lives in this repo (ggml-patches/include) and is linked into ggml/include by the build.
+
+#include "ggml.h"
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// bumped whenever the packed formats or this API change
+#define GGML_RQ_VERSION 1
+
+GGML_API int ggml_rq_version(void);
+
+// counters (relaxed atomics, process-wide)
+enum ggml_rq_counter {
+    GGML_RQ_ISO_DEQUANT_ROWS = 0, // ISOQUANT3_0 blocks (128 values) turned back into floats, by anyone
+    GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read ISOQUANT3_0 K/V in the rotated domain
+    GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with ISOQUANT3_0 K/V that took the generic path
+    GGML_RQ_ISO_QUANT_ROWS,       // ISOQUANT3_0 blocks written (quantised)
+    GGML_RQ_COUNTER_COUNT,
+};
+
+GGML_API uint64_t     ggml_rq_counter_get (enum ggml_rq_counter c);
+GGML_API void         ggml_rq_counter_add (enum ggml_rq_counter c, uint64_t n);
+GGML_API void         ggml_rq_counters_reset(void);
+GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
+
+// unfused IsoQuant attention: cast ISOQUANT3_0 K/V to F16 before flash attention
+// (reconstruct-then-compute, the baseline the paper compares against). Read by llama at context
+// creation; also set by the environment variable LLAMA_ISOQUANT_UNFUSED=1.
+GGML_API void ggml_rq_set_iso_unfused(bool unfused);
+GGML_API bool ggml_rq_get_iso_unfused(void);
+
+// research switches (ablations of the paper's Table 8; not user options). The variant changes the
+// packed format: quantise and attend with the same setting. Env: GGML_ISOQUANT_VARIANT=v3|v2|v1|none,
+// GGML_ISOQUANT_SKIP_INVERSE=1.
+enum ggml_rq_iso_variant {
+    GGML_RQ_ISO_V3   = 0, // WHT-128 then SO(4) blocks (q_L v conj(q_R)) - the type as designed
+    GGML_RQ_ISO_V2   = 1, // SO(4) blocks only, no WHT
+    GGML_RQ_ISO_V1   = 2, // WHT then single-quaternion conjugation q v conj(q) (SO(3): leaves an axis)
+    GGML_RQ_ISO_NONE = 3, // no rotation (normalise + codebook only)
+};
+GGML_API void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v);
+GGML_API enum ggml_rq_iso_variant ggml_rq_iso_get_variant(void);
+GGML_API void ggml_rq_iso_set_skip_inverse(bool skip); // fused FA leaves the output rotated (wrong on purpose)
+GGML_API bool ggml_rq_iso_get_skip_inverse(void);
+
+// R and R^T of the current variant on one 128-value block (in place allowed)
+GGML_API void ggml_rq_iso_rotate    (const float * x, float * y);
+GGML_API void ggml_rq_iso_rotate_inv(const float * y, float * x);
+
+// the 3-bit Lloyd-Max codebook for a coordinate of a rotated unit 128-vector
+GGML_API const float * ggml_rq_iso_codebook(void);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,32 @@
+// RotaryQuant CPU kernels (part of ggml-cpu): the CPU traits of our types and the flash-attention
+// helpers that keep ISOQUANT3_0 values in the rotated domain.
+#pragma once
+
+#include "ggml.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+void quantize_row_isoquant3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_isoq_q     (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+
+// sum_b ||x_b|| * <c[idx_b], (R q)_b>: the query arrives rotated (ISOQ_Q), keys stay packed
+void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                     const void * GGML_RESTRICT vy, size_t by, int nrc);
+
+// acc += v * ||x_b|| * c[idx_b] (rotated domain, no inverse rotation)
+void ggml_rq_iso_mad_rot(int n, float * GGML_RESTRICT acc, const void * GGML_RESTRICT vx, float v);
+// acc <- R^T acc for every 128-value block (once per output row), unless the ablation switch is set
+void ggml_rq_iso_unrotate(int n, float * acc);
+
+// counts flash-attention ops that touch ISOQUANT3_0 K/V (fused vs reference path)
+void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);
+
+#ifdef __cplusplus
+}
+#endif

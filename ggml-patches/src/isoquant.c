@@ -1,0 +1,285 @@
+// ISOQUANT3_0 reference quantiser/dequantiser, the IsoQuant rotation, counters and switches.
+// Part of ggml-base. Compiled with -ffp-contract=off: the numpy reference in
+// rotaryquant/quants/isoquant.py follows the same operation order and matches bit for bit.
+//
+//   quantise:   s = ||x|| (float64 tree sum), xh = x/s, y = R xh = SO4(WHT(S xh)), idx = Lloyd-Max(y),
+//               d = s / ||c[idx]|| (so the dequantised vector keeps the norm; see docs/isoquant-design.md)
+//   dequantise: x' = R^T (d * c[idx])
+// S is a fixed random +-1 vector: without it the WHT maps a constant offset across channels onto a
+// single coordinate, which the scalar codebook then quantises badly.
+
+#define GGML_COMMON_DECL_C
+#include "ggml-common.h"
+
+#include "ggml-quants.h"
+#include "ggml-impl.h"
+#include "ggml-rq.h"
+
+#include "isoquant-tables.h"
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+int ggml_rq_version(void) {
+    return GGML_RQ_VERSION;
+}
+
+// ---------------------------------------------------------------------------------------------
+// counters and switches
+
+static _Atomic uint64_t rq_counters[GGML_RQ_COUNTER_COUNT];
+
+static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
+    [GGML_RQ_ISO_DEQUANT_ROWS]   = "iso_dequant_rows",
+    [GGML_RQ_ISO_FUSED_CALLS]    = "iso_fused_calls",
+    [GGML_RQ_ISO_FALLBACK_CALLS] = "iso_fallback_calls",
+    [GGML_RQ_ISO_QUANT_ROWS]     = "iso_quant_rows",
+};
+
+uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
+    return (unsigned) c < GGML_RQ_COUNTER_COUNT ? atomic_load_explicit(&rq_counters[c], memory_order_relaxed) : 0;
+}
+
+void ggml_rq_counter_add(enum ggml_rq_counter c, uint64_t n) {
+    if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
+        atomic_fetch_add_explicit(&rq_counters[c], n, memory_order_relaxed);
+    }
+}
+
+void ggml_rq_counters_reset(void) {
+    for (int i = 0; i < GGML_RQ_COUNTER_COUNT; ++i) {
+        atomic_store_explicit(&rq_counters[i], 0, memory_order_relaxed);
+    }
+}
+
+const char * ggml_rq_counter_name(enum ggml_rq_counter c) {
+    return (unsigned) c < GGML_RQ_COUNTER_COUNT ? rq_counter_names[c] : NULL;
+}
+
+// -1: not yet read from the environment
+static _Atomic int rq_iso_unfused = -1;
+static _Atomic int rq_iso_variant = -1;
+static _Atomic int rq_iso_skip_inv = -1;
+
+static int rq_env_flag(const char * name) {
+    const char * v = getenv(name);
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+void ggml_rq_set_iso_unfused(bool unfused) { atomic_store(&rq_iso_unfused, unfused ? 1 : 0); }
+
+bool ggml_rq_get_iso_unfused(void) {
+    int v = atomic_load(&rq_iso_unfused);
+    if (v < 0) {
+        v = rq_env_flag("LLAMA_ISOQUANT_UNFUSED");
+        atomic_store(&rq_iso_unfused, v);
+    }
+    return v != 0;
+}
+
+void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
+    GGML_ASSERT((unsigned) v <= GGML_RQ_ISO_NONE);
+    atomic_store(&rq_iso_variant, (int) v);
+}
+
+enum ggml_rq_iso_variant ggml_rq_iso_get_variant(void) {
+    int v = atomic_load_explicit(&rq_iso_variant, memory_order_relaxed);
+    if (v < 0) {
+        const char * e = getenv("GGML_ISOQUANT_VARIANT");
+        v = GGML_RQ_ISO_V3;
+        if (e && *e) {
+            if      (strcmp(e, "v3")   == 0) v = GGML_RQ_ISO_V3;
+            else if (strcmp(e, "v2")   == 0) v = GGML_RQ_ISO_V2;
+            else if (strcmp(e, "v1")   == 0) v = GGML_RQ_ISO_V1;
+            else if (strcmp(e, "none") == 0) v = GGML_RQ_ISO_NONE;
+            else {
+                GGML_LOG_ERROR("%s: GGML_ISOQUANT_VARIANT=%s is not one of v3, v2, v1, none\n", __func__, e);
+                GGML_ABORT("invalid GGML_ISOQUANT_VARIANT");
+            }
+        }
+        atomic_store(&rq_iso_variant, v);
+    }
+    return (enum ggml_rq_iso_variant) v;
+}
+
+void ggml_rq_iso_set_skip_inverse(bool skip) { atomic_store(&rq_iso_skip_inv, skip ? 1 : 0); }
+
+bool ggml_rq_iso_get_skip_inverse(void) {
+    int v = atomic_load_explicit(&rq_iso_skip_inv, memory_order_relaxed);
+    if (v < 0) {
+        v = rq_env_flag("GGML_ISOQUANT_SKIP_INVERSE");
+        atomic_store(&rq_iso_skip_inv, v);
+    }
+    return v != 0;
+}
+
+const float * ggml_rq_iso_codebook(void) {
+    return iq3_codebook;
+}
+
+// ---------------------------------------------------------------------------------------------
+// the rotation R = SO4 o WHT (variant v3), exact operation order shared with numpy
+
+static void iq3_fwht(float * v) {
+    for (int len = 1; len < QK_ISO; len <<= 1) {
+        for (int i = 0; i < QK_ISO; i += 2*len) {
+            for (int j = i; j < i + len; ++j) {
+                const float a = v[j];
+                const float b = v[j + len];
+                v[j]       = a + b;
+                v[j + len] = a - b;
+            }
+        }
+    }
+    for (int i = 0; i < QK_ISO; ++i) {
+        v[i] *= iq3_wht_scale;
+    }
+}
+
+// y = M u per group of 4 (M row-major), or y = M^T u with transpose
+static void iq3_blocks(const float (*M)[16], const float * u, float * y, bool transpose) {
+    for (int g = 0; g < QK_ISO/4; ++g) {
+        const float * m = M[g];
+        const float u0 = u[4*g+0], u1 = u[4*g+1], u2 = u[4*g+2], u3 = u[4*g+3];
+        for (int r = 0; r < 4; ++r) {
+            const float m0 = transpose ? m[0*4 + r] : m[r*4 + 0];
+            const float m1 = transpose ? m[1*4 + r] : m[r*4 + 1];
+            const float m2 = transpose ? m[2*4 + r] : m[r*4 + 2];
+            const float m3 = transpose ? m[3*4 + r] : m[r*4 + 3];
+            y[4*g + r] = ((m0*u0 + m1*u1) + m2*u2) + m3*u3;
+        }
+    }
+}
+
+void ggml_rq_iso_rotate(const float * x, float * y) {
+    const enum ggml_rq_iso_variant v = ggml_rq_iso_get_variant();
+    float t[QK_ISO];
+    if (v == GGML_RQ_ISO_V3 || v == GGML_RQ_ISO_V1) {
+        for (int i = 0; i < QK_ISO; ++i) {
+            t[i] = x[i] * iq3_signs[i];
+        }
+        iq3_fwht(t);
+    } else {
+        memcpy(t, x, sizeof(t));
+    }
+    switch (v) {
+        case GGML_RQ_ISO_V3:
+        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, t, y, false); break;
+        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, t, y, false); break;
+        case GGML_RQ_ISO_NONE: memcpy(y, t, sizeof(t)); break;
+    }
+}
+
+void ggml_rq_iso_rotate_inv(const float * y, float * x) {
+    const enum ggml_rq_iso_variant v = ggml_rq_iso_get_variant();
+    float t[QK_ISO];
+    switch (v) {
+        case GGML_RQ_ISO_V3:
+        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, y, t, true); break;
+        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, y, t, true); break;
+        case GGML_RQ_ISO_NONE: memcpy(t, y, sizeof(t)); break;
+    }
+    if (v == GGML_RQ_ISO_V3 || v == GGML_RQ_ISO_V1) {
+        iq3_fwht(t);
+        for (int i = 0; i < QK_ISO; ++i) {
+            t[i] *= iq3_signs[i];
+        }
+    }
+    memcpy(x, t, sizeof(t));
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISOQUANT3_0
+
+// sum of squares as a fixed float64 tree (the order the numpy and CUDA versions use)
+static double iq3_tree_sumsq(const float * GGML_RESTRICT x) {
+    double a[QK_ISO];
+    for (int i = 0; i < QK_ISO; ++i) {
+        a[i] = (double) x[i] * (double) x[i];
+    }
+    for (int s = QK_ISO/2; s > 0; s >>= 1) {
+        for (int i = 0; i < s; ++i) {
+            a[i] = a[i] + a[i + s];
+        }
+    }
+    return a[0];
+}
+
+static inline int iq3_index(float y) {
+    int idx = 0;
+    for (int k = 0; k < 7; ++k) {
+        idx += y > iq3_bounds[k];
+    }
+    return idx;
+}
+
+void quantize_row_isoquant3_0_ref(const float * GGML_RESTRICT x, block_isoquant3_0 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ISO == 0);
+    const int64_t nb = k / QK_ISO;
+
+    for (int64_t ib = 0; ib < nb; ++ib) {
+        const float * xb = x + ib*QK_ISO;
+        const double sd = sqrt(iq3_tree_sumsq(xb));
+
+        float xh[QK_ISO];
+        float yr[QK_ISO];
+        for (int i = 0; i < QK_ISO; ++i) {
+            xh[i] = sd > 0.0 ? (float) ((double) xb[i] / sd) : 0.0f;
+        }
+        ggml_rq_iso_rotate(xh, yr);
+
+        float c[QK_ISO];
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            uint32_t w = 0;
+            for (int j = 0; j < 8; ++j) {
+                const int idx = iq3_index(yr[8*g + j]);
+                c[8*g + j] = iq3_codebook[idx];
+                w |= (uint32_t) idx << (3*j);
+            }
+            y[ib].qs[3*g + 0] = (uint8_t) (w & 0xff);
+            y[ib].qs[3*g + 1] = (uint8_t) ((w >> 8) & 0xff);
+            y[ib].qs[3*g + 2] = (uint8_t) (w >> 16);
+        }
+
+        // norm-preserving scale: ||d c|| = ||x||; the codebook has no zero level, so ||c|| > 0
+        const double dd = sd / sqrt(iq3_tree_sumsq(c));
+        y[ib].d = GGML_FP32_TO_FP16((float) (dd < 65504.0 ? dd : 65504.0));
+    }
+    ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nb);
+}
+
+void dequantize_row_isoquant3_0(const block_isoquant3_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ISO == 0);
+    const int64_t nb = k / QK_ISO;
+
+    for (int64_t ib = 0; ib < nb; ++ib) {
+        const float d = GGML_FP16_TO_FP32(x[ib].d);
+        float yr[QK_ISO];
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            const uint32_t w = x[ib].qs[3*g] | (uint32_t) x[ib].qs[3*g + 1] << 8 | (uint32_t) x[ib].qs[3*g + 2] << 16;
+            for (int j = 0; j < 8; ++j) {
+                yr[8*g + j] = d * iq3_codebook[(w >> (3*j)) & 7];
+            }
+        }
+        ggml_rq_iso_rotate_inv(yr, y + ib*QK_ISO);
+    }
+    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
+}
+
+size_t quantize_isoquant3_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, const float * imatrix) {
+    GGML_UNUSED(imatrix); // KV-cache type: no importance weighting
+    quantize_row_isoquant3_0_ref(src, (block_isoquant3_0 *) dst, nrow*n_per_row);
+    return nrow * ggml_row_size(GGML_TYPE_ISOQUANT3_0, n_per_row);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISOQ_Q: the rotated query (vec_dot_type of ISOQUANT3_0); not normalised, not quantised
+
+void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ISO == 0);
+    for (int64_t ib = 0; ib < k / QK_ISO; ++ib) {
+        ggml_rq_iso_rotate(x + ib*QK_ISO, y[ib].qr);
+    }
+}

@@ -1,0 +1,32 @@
+// RotaryQuant block formats. Included by ggml-common.h inside its declaration section, so every
+// backend (C, C++, CUDA) sees the same structs; ggml_half and static_assert come from there.
+
+// ISOQUANT3_0: one 128-value head vector. d = ||x|| (fp16); qs = 3-bit Lloyd-Max indices of
+// R(x/||x||), R = SO(4) blocks after WHT-128. Groups of 8 indices fill 3 bytes, little endian:
+// index k of group g is bits 3k..3k+2 of qs[3g] | qs[3g+1] << 8 | qs[3g+2] << 16.
+#define QK_ISO 128
+typedef struct {
+    ggml_half d;
+    uint8_t   qs[QK_ISO*3/8];
+} block_isoquant3_0;
+static_assert(sizeof(block_isoquant3_0) == sizeof(ggml_half) + QK_ISO*3/8, "wrong isoquant3_0 block size/padding");
+
+// ISOQ_Q (internal): a query block already rotated by R, in F32; ISOQUANT3_0's vec_dot_type, so that
+// flash attention and mul_mat rotate each query row once and score packed keys directly.
+typedef struct {
+    float qr[QK_ISO];
+} block_isoq_q;
+static_assert(sizeof(block_isoq_q) == QK_ISO*sizeof(float), "wrong isoq_q block size/padding");
+
+// ITQ3_S: 256 weights rotated by the normalised FWHT-256, then 3-bit codes on a shared 8-level grid:
+// w_rot[i] = d * grid[q_i] + m. The code layout inside qs is described in itq3.c.
+#define QK_ITQ 256
+typedef struct {
+    ggml_half d;
+    ggml_half m;
+    uint8_t   qs[QK_ITQ*3/8];
+} block_itq3_s;
+static_assert(sizeof(block_itq3_s) == 2*sizeof(ggml_half) + QK_ITQ*3/8, "wrong itq3_s block size/padding");
+
+// Q8_ITQ (internal): ITQ3_S's vec_dot_type, an activation block after the same FWHT-256, in the
+// block_q8_K layout (float d, int8 qs[256], int16 bsums[16]).

@@ -1,0 +1,25 @@
+// RotaryQuant reference (de)quantisers, part of ggml-base. Included by ggml-quants.h.
+#pragma once
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+GGML_API void quantize_row_isoquant3_0_ref(const float * GGML_RESTRICT x, block_isoquant3_0 * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_isoquant3_0(const block_isoquant3_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API size_t quantize_isoquant3_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
+
+GGML_API void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k);
+
+GGML_API void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_itq3_s(const block_itq3_s * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
+
+GGML_API void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k);
+
+// the normalised 256-point Walsh-Hadamard transform in place (its own inverse)
+GGML_API void ggml_rq_fwht256(float * GGML_RESTRICT x);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,1 @@
+"""Reference (numpy) implementations of the rotaryquant KV-cache quantisation types."""

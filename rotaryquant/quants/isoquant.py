@@ -1,0 +1,310 @@
+"""Bit-exact numpy reference of the ISOQUANT3_0 KV-cache block type.
+
+One block packs one 128-float vector (one attention head) into 50 bytes::
+
+    struct block_isoquant3_0 { uint16_t d;       /* IEEE fp16, little endian */
+                               uint8_t  qs[48]; /* 128 x 3-bit indices     */ };
+
+The C implementation (compiled with ``-ffp-contract=off``) follows the same
+operation order, so both produce identical bytes.  The spec, step by step, is
+written next to each helper below and in docs/isoquant-design.md; in short:
+
+quantize
+  1. ``ss`` = float64 tree sum of ``double(x_i)^2`` (strides 64, 32, ..., 1).
+  2. ``sd = sqrt(ss)``; ``xh_i = float32(double(x_i) / sd)`` (all zero if sd == 0).
+  3. ``t_i = xh_i * S_i`` (S = SIGNS, exactly +-1: an exact negation), then the
+     float32 unnormalised Walsh-Hadamard butterflies, then ``* WHT_SCALE``.
+  4. per group g of 4: ``y[4g+r] = ((M[g][r][0]*u0 + M[g][r][1]*u1) + M[g][r][2]*u2)
+     + M[g][r][3]*u3`` in float32.
+  5. ``idx_i = #{k : y_i > BND[k]}``.
+  6. ``d = fp16(float32(min(D, 65504)))`` with ``D`` from ``norm_mode``; the format's
+     default is ``"preserve"``: ``D = sd / sqrt(tree(c_i^2))``, ``c_i = double(CB[idx_i])``.
+  7. 16 groups of 8 indices -> 24-bit little-endian words -> 3 bytes each.
+
+dequantize
+  ``y_i = float32(d) * CB[idx_i]``, transpose SO(4) (same summation order), the same
+  WHT butterflies, ``* WHT_SCALE``, then ``* S_i``.
+
+Steps 3 and the WHT part of dequantize apply to the variants that use the WHT
+(v3, the format, and the v1 ablation); v2 and none use neither the WHT nor S.
+The other norm modes ("raw", "lsq", "unbiased") are kept as research parameters.
+
+Everything is vectorised over blocks: arrays are ``(nblocks, 128)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from . import isoquant_tables as _tables
+
+__all__ = [
+    "QK", "BLOCK_BYTES", "CODEBOOK", "BOUNDS", "SO4", "SO3", "SIGNS", "WHT_SCALE",
+    "DEFAULT_NORM_MODE",
+    "VARIANTS", "NORM_MODES", "Variant", "NormMode",
+    "fwht128", "rotate", "rotate_inverse", "pack_indices", "unpack_indices",
+    "quantize_blocks", "dequantize_blocks", "quantize_row", "dequantize_row",
+    "quantize_indices", "dequantize_indices",
+]
+
+QK = 128
+BLOCK_BYTES = 2 + QK * 3 // 8  # 50
+NGROUPS = QK // 4
+FP16_MAX = 65504.0
+
+CODEBOOK = np.asarray(_tables.CODEBOOK, dtype=np.float32)          # (8,)
+BOUNDS = np.asarray(_tables.BOUNDS, dtype=np.float32)              # (7,)
+SO4 = np.asarray(_tables.SO4, dtype=np.float32).reshape(NGROUPS, 4, 4)
+SO3 = np.asarray(_tables.SO3, dtype=np.float32).reshape(NGROUPS, 4, 4)
+SIGNS = np.asarray(_tables.SIGNS, dtype=np.float32)                # (128,) exactly +-1
+WHT_SCALE = np.float32(_tables.WHT_SCALE)
+for _a in (CODEBOOK, BOUNDS, SO4, SO3, SIGNS):
+    _a.setflags(write=False)
+
+Variant = Literal["v3", "v2", "v1", "none"]
+NormMode = Literal["raw", "preserve", "lsq", "unbiased"]
+VARIANTS: tuple[str, ...] = ("v3", "v2", "v1", "none")
+NORM_MODES: tuple[str, ...] = ("raw", "preserve", "lsq", "unbiased")
+DEFAULT_NORM_MODE = "preserve"   # the format; the others are research parameters
+
+_SHIFTS = (3 * np.arange(8, dtype=np.uint32)).astype(np.uint32)
+_CHUNK = 2048  # blocks per vectorised chunk (cache-sized working set)
+
+
+# --------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------
+
+def _as_blocks(x, dtype) -> np.ndarray:
+    a = np.asarray(x, dtype=dtype)
+    if a.ndim == 1:
+        a = a.reshape(1, -1)
+    if a.ndim != 2 or a.shape[1] != QK:
+        raise ValueError(f"expected shape (n, {QK}), got {np.shape(x)}")
+    return np.ascontiguousarray(a)
+
+
+def _tree_sum_f64(a: np.ndarray) -> np.ndarray:
+    """Fixed-order float64 sum over the last axis (length 128):
+    for s in 64, 32, ..., 1: a[i] = a[i] + a[i+s] for i < s.  Returns a[0]."""
+    s = QK // 2
+    while s >= 1:
+        a = a[:, :s] + a[:, s:2 * s]
+        s //= 2
+    return a[:, 0]
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+
+
+# --------------------------------------------------------------------------
+# rotations
+# --------------------------------------------------------------------------
+
+def fwht128(v, *, normalize: bool = True) -> np.ndarray:
+    """Walsh-Hadamard transform of each row of a (n, 128) float32 array.
+
+    Butterflies in float32, for len = 1, 2, ..., 64: for each pair (j, j+len)
+    inside blocks of 2*len: v[j], v[j+len] = a + b, a - b.  With ``normalize``
+    the result is then multiplied (float32) by WHT_SCALE = float32(1/sqrt(128)),
+    making the transform orthonormal and (up to rounding) its own inverse.
+    """
+    v = _as_blocks(v, np.float32)
+    n = v.shape[0]
+    h = 1
+    while h < QK:
+        w = v.reshape(n, QK // (2 * h), 2, h)
+        out = np.empty_like(w)
+        np.add(w[:, :, 0, :], w[:, :, 1, :], out=out[:, :, 0, :])
+        np.subtract(w[:, :, 0, :], w[:, :, 1, :], out=out[:, :, 1, :])
+        v = out.reshape(n, QK)
+        h *= 2
+    if normalize:
+        v = v * WHT_SCALE
+    return v
+
+
+def _block_apply(v: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """y[4g+r] = ((m[g,r,0]*u0 + m[g,r,1]*u1) + m[g,r,2]*u2) + m[g,r,3]*u3 (float32)."""
+    n = v.shape[0]
+    u = v.reshape(n, NGROUPS, 1, 4)
+    y = m[:, :, 0] * u[..., 0]          # (n, 32, 4): index r on the last axis
+    y = y + m[:, :, 1] * u[..., 1]
+    y = y + m[:, :, 2] * u[..., 2]
+    y = y + m[:, :, 3] * u[..., 3]
+    return y.reshape(n, QK)
+
+
+def _group_matrix(variant: str) -> np.ndarray | None:
+    if variant in ("v3", "v2"):
+        return SO4
+    if variant == "v1":
+        return SO3
+    return None
+
+
+def rotate(x, variant: Variant = "v3") -> np.ndarray:
+    """Forward rotation R of each row of a (n, 128) float32 array.
+
+    v3: sign flip S, WHT, then SO(4) blocks (R = SO4 . WHT . diag(S));
+    v2: SO(4) blocks only; v1: sign flip S, WHT, then the SO(3) single-quaternion
+    conjugation blocks; none: identity.  C: ``t[i] = x[i] * iq3_signs[i]`` before
+    the butterflies (exact: S is +-1).
+    """
+    _check_variant(variant)
+    v = _as_blocks(x, np.float32)
+    if variant in ("v3", "v1"):
+        v = fwht128(v * SIGNS)
+    m = _group_matrix(variant)
+    if m is not None:
+        v = _block_apply(v, m)
+    return v.copy() if variant == "none" else v
+
+
+def rotate_inverse(y, variant: Variant = "v3") -> np.ndarray:
+    """Inverse rotation R^T: transposed blocks (same summation order), then the WHT
+    butterflies, ``* WHT_SCALE``, then ``* S`` (v3, v1; C: ``t[i] *= iq3_signs[i]``)."""
+    _check_variant(variant)
+    v = _as_blocks(y, np.float32)
+    m = _group_matrix(variant)
+    if m is not None:
+        v = _block_apply(v, np.ascontiguousarray(m.transpose(0, 2, 1)))
+    if variant in ("v3", "v1"):
+        v = fwht128(v) * SIGNS     # the scale multiply first, then the (exact) sign flip
+    return v.copy() if variant == "none" else v
+
+
+# --------------------------------------------------------------------------
+# index packing
+# --------------------------------------------------------------------------
+
+def pack_indices(idx) -> np.ndarray:
+    """(n, 128) indices in 0..7 -> (n, 48) bytes: group gi of 8 indices is the
+    24-bit little-endian word sum_k idx[8gi+k] << 3k in qs[3gi..3gi+2]."""
+    idx = np.asarray(idx)
+    n = idx.shape[0]
+    g = idx.reshape(n, 16, 8).astype(np.uint32)
+    w = np.bitwise_or.reduce(g << _SHIFTS, axis=-1)
+    qs = np.empty((n, 16, 3), dtype=np.uint8)
+    qs[..., 0] = w & 0xFF
+    qs[..., 1] = (w >> 8) & 0xFF
+    qs[..., 2] = w >> 16
+    return qs.reshape(n, 48)
+
+
+def unpack_indices(qs) -> np.ndarray:
+    """(n, 48) bytes -> (n, 128) uint8 indices (inverse of pack_indices)."""
+    qs = np.asarray(qs, dtype=np.uint8)
+    n = qs.shape[0]
+    b = qs.reshape(n, 16, 3).astype(np.uint32)
+    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
+    return ((w[..., None] >> _SHIFTS) & 7).astype(np.uint8).reshape(n, QK)
+
+
+# --------------------------------------------------------------------------
+# quantize / dequantize
+# --------------------------------------------------------------------------
+
+def quantize_indices(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1-6 of quantize: returns (d as float16 (n,), idx as uint8 (n, 128))."""
+    _check_variant(variant)
+    if norm_mode not in NORM_MODES:
+        raise ValueError(f"unknown norm_mode {norm_mode!r}; expected one of {NORM_MODES}")
+    x = _as_blocks(x, np.float32)
+    with np.errstate(all="ignore"):  # inf/NaN inputs follow the C semantics silently
+        return _quantize_indices(x, variant, norm_mode)
+
+
+def _quantize_indices(x: np.ndarray, variant: str, norm_mode: str) -> tuple[np.ndarray, np.ndarray]:
+    x64 = x.astype(np.float64)
+
+    # 1-2. norm (float64 tree) and normalisation (float64 divide, round to float32).
+    # C: xh[i] = sd > 0.0 ? (float)((double)x[i] / sd) : 0.0f   (NaN norm -> zeros)
+    sd = np.sqrt(_tree_sum_f64(x64 * x64))
+    pos = sd > 0.0
+    xh = (x64 / np.where(pos, sd, 1.0)[:, None]).astype(np.float32)
+    xh[~pos] = 0.0
+
+    # 3-4. rotation (float32)
+    y = rotate(xh, variant)
+
+    # 5. idx = number of boundaries strictly below y
+    idx = np.zeros(y.shape, dtype=np.uint8)
+    for b in BOUNDS:
+        idx += y > b
+
+    # 6. scale in float64, then float64 -> float32 -> fp16 (round to nearest even)
+    if norm_mode == "raw":
+        dd = sd
+    else:
+        c64 = CODEBOOK[idx].astype(np.float64)
+        if norm_mode == "preserve":        # d = sd / ||c||
+            dd = sd / np.sqrt(_tree_sum_f64(c64 * c64))
+        else:
+            yc = _tree_sum_f64(y.astype(np.float64) * c64)
+            if norm_mode == "lsq":         # d = (sd * <y,c>) / <c,c>
+                dd = (sd * yc) / _tree_sum_f64(c64 * c64)
+            else:                          # unbiased: d = sd / <y,c>  (<x_hat, x> = ||x||^2)
+                dd = np.where(yc > 0.0, sd / np.where(yc > 0.0, yc, 1.0), 0.0)
+    # C: (dd < 65504.0 ? dd : 65504.0)  -> (float) -> GGML_FP32_TO_FP16
+    dd = np.where(dd < FP16_MAX, dd, FP16_MAX)
+    d = dd.astype(np.float32).astype(np.float16)
+    return d, idx
+
+
+def quantize_blocks(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE) -> np.ndarray:
+    """Quantize (n, 128) float32 vectors to (n, 50) uint8 ISOQUANT3_0 blocks."""
+    x = _as_blocks(x, np.float32)
+    n = x.shape[0]
+    out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
+    for i in range(0, n, _CHUNK):  # chunks keep the working set in cache (results are per block)
+        d, idx = quantize_indices(x[i:i + _CHUNK], variant=variant, norm_mode=norm_mode)
+        m = idx.shape[0]
+        out[i:i + m, :2] = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(m, 2)
+        out[i:i + m, 2:] = pack_indices(idx)
+    return out
+
+
+def dequantize_indices(d, idx, *, variant: Variant = "v3") -> np.ndarray:
+    """y = float32(d) * CB[idx] then the inverse rotation; returns (n, 128) float32."""
+    d32 = np.asarray(d, dtype=np.float16).astype(np.float32)
+    y = d32[:, None] * CODEBOOK[np.asarray(idx)]
+    return rotate_inverse(y, variant)
+
+
+def dequantize_blocks(b, *, variant: Variant = "v3") -> np.ndarray:
+    """Dequantize (n, 50) uint8 ISOQUANT3_0 blocks to (n, 128) float32 vectors."""
+    b = np.asarray(b, dtype=np.uint8)
+    if b.ndim == 1:
+        b = b.reshape(1, -1)
+    if b.ndim != 2 or b.shape[1] != BLOCK_BYTES:
+        raise ValueError(f"expected shape (n, {BLOCK_BYTES}), got {b.shape}")
+    n = b.shape[0]
+    out = np.empty((n, QK), dtype=np.float32)
+    for i in range(0, n, _CHUNK):
+        c = b[i:i + _CHUNK]
+        d = np.ascontiguousarray(c[:, :2]).view("<f2").reshape(c.shape[0])
+        out[i:i + c.shape[0]] = dequantize_indices(d, unpack_indices(c[:, 2:]), variant=variant)
+    return out
+
+
+def quantize_row(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE) -> np.ndarray:
+    """Quantize a flat float32 row (len % 128 == 0) to a flat uint8 array of
+    len / 128 * 50 bytes (the ggml row layout: consecutive blocks)."""
+    x = np.asarray(x, dtype=np.float32).reshape(-1)
+    if x.size % QK:
+        raise ValueError(f"row length {x.size} is not a multiple of {QK}")
+    return quantize_blocks(x.reshape(-1, QK), variant=variant, norm_mode=norm_mode).reshape(-1)
+
+
+def dequantize_row(b, *, variant: Variant = "v3") -> np.ndarray:
+    """Inverse of quantize_row: flat bytes (len % 50 == 0) -> flat float32."""
+    b = np.asarray(b, dtype=np.uint8).reshape(-1)
+    if b.size % BLOCK_BYTES:
+        raise ValueError(f"byte length {b.size} is not a multiple of {BLOCK_BYTES}")
+    return dequantize_blocks(b.reshape(-1, BLOCK_BYTES), variant=variant).reshape(-1)

@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""Derive the offline constant tables of the ISOQUANT3_0 KV-cache type.
+
+Deterministic.  Usage (from the repository root):
+
+    python3 scripts/derive_isoquant_tables.py            # (re)write the tables
+    python3 scripts/derive_isoquant_tables.py --check    # exit 1 if they differ
+    python3 scripts/derive_isoquant_tables.py --report   # print the derivation log
+
+What is derived
+---------------
+* ``iq3_codebook[8]``: the 3-bit Lloyd-Max quantizer for the exact marginal
+  density of one coordinate of a uniform random unit vector in R^128,
+  f(x) ∝ (1 - x^2)^((128-3)/2) on [-1, 1].  Cell masses use the regularised
+  incomplete beta function and cell first moments use their closed form
+  ∫ x (1-x^2)^a dx = -(1-x^2)^(a+1) / (2(a+1)), so each Lloyd iteration is
+  exact to float64 rounding.  Symmetry is imposed exactly: only the positive
+  half is iterated and mirrored, hence the middle boundary is exactly 0.
+  Centroids are rounded to float32; boundaries are float32((c_k+c_{k+1})/2)
+  computed in float64 from the float64 centroids.
+* ``iq3_so4[32][16]``: for each of the 32 groups of 4 coordinates the
+  row-major 4x4 matrix of v -> q_L * v * conj(q_R) (Hamilton product, v as
+  the quaternion (w, x, y, z)), with (q_L, q_R) uniform on S^3 drawn from
+  ``numpy.random.default_rng(SEED)``; computed in float64, rounded to float32.
+* ``iq3_so3[32][16]``: the single-quaternion conjugation v -> q_L v conj(q_L)
+  (the "v1" ablation).  It is written as blockdiag(1, R3(q_L)) so that the
+  invariant direction e_0 of every group is kept *exactly* in float32.
+* ``iq3_signs[128]``: the fixed random +-1 vector S applied before the WHT
+  (v = WHT(S * xh); the inverse multiplies by S after the final WHT scaling).
+  Drawn from a *separate* stream so the quaternions above are unchanged:
+  ``bits = numpy.random.default_rng(SEED + 1).integers(0, 2, 128)``,
+  ``S = 1 - 2 * bits`` (bit 0 -> +1.0, bit 1 -> -1.0).  Exactly +-1, so the
+  multiply is an exact (sign-only) float operation.  Without S the WHT maps a
+  constant offset across channels onto the single coordinate 0.
+* ``iq3_wht_scale`` = float32(1/sqrt(128)).
+
+Outputs: ``ggml-patches/src/isoquant-tables.h`` (C) and
+``rotaryquant/quants/isoquant_tables.py`` (Python), both generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import integrate, special
+
+SEED = 20260808
+DIM = 128
+NGROUPS = DIM // 4
+NLEVELS = 8
+LLOYD_MAX_ITERS = 100_000
+
+ROOT = Path(__file__).resolve().parent.parent
+C_HEADER = ROOT / "ggml-patches" / "src" / "isoquant-tables.h"
+PY_TABLES = ROOT / "rotaryquant" / "quants" / "isoquant_tables.py"
+COMMAND = "python3 scripts/derive_isoquant_tables.py"
+
+# exponent of the marginal density (1 - x^2)^A
+A_EXP = (DIM - 3) / 2.0
+
+
+# --------------------------------------------------------------------------
+# Lloyd-Max codebook for the sphere marginal
+# --------------------------------------------------------------------------
+
+def _half_beta() -> float:
+    """∫_0^1 (1-x^2)^A dx = B(1/2, A+1) / 2."""
+    return 0.5 * math.exp(special.betaln(0.5, A_EXP + 1.0))
+
+
+def _mass(lo: float, hi: float) -> float:
+    """Unnormalised ∫_lo^hi (1-x^2)^A dx for 0 <= lo < hi <= 1."""
+    hb = _half_beta()
+    if hi >= 1.0:  # upper tail: use the complementary function (no cancellation)
+        return hb * float(special.betaincc(0.5, A_EXP + 1.0, lo * lo))
+    return hb * float(special.betainc(0.5, A_EXP + 1.0, hi * hi)
+                      - special.betainc(0.5, A_EXP + 1.0, lo * lo))
+
+
+def _first_moment(lo: float, hi: float) -> float:
+    """Unnormalised ∫_lo^hi x (1-x^2)^A dx (closed form)."""
+    a1 = A_EXP + 1.0
+    return ((1.0 - lo * lo) ** a1 - (1.0 - hi * hi) ** a1) / (2.0 * a1)
+
+
+def density(x):
+    """Normalised marginal density on [-1, 1]."""
+    return (1.0 - np.square(x)) ** A_EXP / (2.0 * _half_beta())
+
+
+def lloyd_step(c_pos: np.ndarray) -> np.ndarray:
+    """One Lloyd iteration on the positive half (levels c_pos ascending > 0)."""
+    t = np.concatenate(([0.0], 0.5 * (c_pos[:-1] + c_pos[1:]), [1.0]))
+    return np.array([_first_moment(t[k], t[k + 1]) / _mass(t[k], t[k + 1])
+                     for k in range(len(c_pos))])
+
+
+def lloyd_max() -> tuple[np.ndarray, int, float]:
+    """Return (float64 centroids ascending [8], iterations, final step size)."""
+    sigma = 1.0 / math.sqrt(DIM)
+    # start from a uniform grid; Lloyd is globally convergent for log-concave f
+    c_pos = sigma * np.array([0.5, 1.5, 2.5, 3.5])
+    step = float("inf")
+    it = 0
+    for it in range(1, LLOYD_MAX_ITERS + 1):
+        new = lloyd_step(c_pos)
+        step = float(np.max(np.abs(new - c_pos)))
+        c_pos = new
+        # the float64 evaluation of one step is accurate to ~1e-15 (absolute);
+        # stop once the update is at that noise floor (float32 ulp is ~1e-9)
+        if step <= 1e-14:
+            break
+    else:  # pragma: no cover - would indicate a broken derivation
+        raise RuntimeError("Lloyd-Max did not converge")
+    return np.concatenate((-c_pos[::-1], c_pos)), it, step
+
+
+def quantizer_mse(centroids: np.ndarray, bounds: np.ndarray) -> float:
+    """Per-coordinate MSE E[(X - Q(X))^2], Q given by centroids/bounds (float64).
+
+    Uses E[X^2] = 1/DIM and the closed-form cell moments:
+        MSE = Σ_k ∫_cell (x - c_k)^2 f = E[X^2] - Σ_k (2 c_k m1_k - c_k^2 m0_k).
+    """
+    z = 2.0 * _half_beta()
+    t = np.concatenate(([-1.0], bounds, [1.0]))
+    acc = 1.0 / DIM
+    for k, c in enumerate(centroids):
+        lo, hi = t[k], t[k + 1]
+        if lo >= 0.0:
+            m0, m1 = _mass(lo, hi), _first_moment(lo, hi)
+        elif hi <= 0.0:  # mirror
+            m0, m1 = _mass(-hi, -lo), -_first_moment(-hi, -lo)
+        else:
+            m0 = _mass(0.0, -lo) + _mass(0.0, hi)
+            m1 = _first_moment(0.0, hi) - _first_moment(0.0, -lo)
+        acc -= (2.0 * c * m1 - c * c * m0) / z
+    return acc
+
+
+def quantizer_mse_quad(centroids: np.ndarray, bounds: np.ndarray) -> float:
+    """Independent cross-check of quantizer_mse by adaptive quadrature."""
+    t = np.concatenate(([-1.0], bounds, [1.0]))
+    tot = 0.0
+    for k, c in enumerate(centroids):
+        val, _ = integrate.quad(lambda x, c=c: (x - c) ** 2 * density(x),
+                                t[k], t[k + 1], epsabs=1e-17, epsrel=1e-12, limit=200)
+        tot += val
+    return tot
+
+
+# --------------------------------------------------------------------------
+# quaternion rotations
+# --------------------------------------------------------------------------
+
+def hamilton(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Hamilton product of quaternions (w, x, y, z), float64."""
+    a1, b1, c1, d1 = p
+    a2, b2, c2, d2 = q
+    return np.array([
+        a1 * a2 - b1 * b2 - c1 * c2 - d1 * d2,
+        a1 * b2 + b1 * a2 + c1 * d2 - d1 * c2,
+        a1 * c2 - b1 * d2 + c1 * a2 + d1 * b2,
+        a1 * d2 + b1 * c2 - c1 * b2 + d1 * a2,
+    ])
+
+
+def conj(q: np.ndarray) -> np.ndarray:
+    return np.array([q[0], -q[1], -q[2], -q[3]])
+
+
+def so4_matrix(ql: np.ndarray, qr: np.ndarray) -> np.ndarray:
+    """4x4 float64 matrix M with M @ v == q_L * v * conj(q_R)."""
+    qrc = conj(qr)
+    cols = [hamilton(hamilton(ql, e), qrc) for e in np.eye(4)]
+    return np.stack(cols, axis=1)
+
+
+def so3_matrix(q: np.ndarray) -> np.ndarray:
+    """4x4 float64 matrix of v -> q v conj(q) = blockdiag(1, R3(q))."""
+    w, x, y, z = q  # already unit
+    m = np.zeros((4, 4))
+    m[0, 0] = 1.0
+    m[1:, 1:] = [
+        [1 - 2 * (y * y + z * z), 2 * (x * y - w * z), 2 * (x * z + w * y)],
+        [2 * (x * y + w * z), 1 - 2 * (x * x + z * z), 2 * (y * z - w * x)],
+        [2 * (x * z - w * y), 2 * (y * z + w * x), 1 - 2 * (x * x + y * y)],
+    ]
+    return m
+
+
+def quaternions() -> np.ndarray:
+    """(32, 2, 4) float64 unit quaternions; [:,0] = q_L, [:,1] = q_R."""
+    rng = np.random.default_rng(SEED)
+    q = rng.standard_normal((NGROUPS, 2, 4))
+    # explicit, fixed-order norm (no BLAS) so the float64 values are reproducible
+    n = np.sqrt(((q[..., 0] * q[..., 0] + q[..., 1] * q[..., 1])
+                 + q[..., 2] * q[..., 2]) + q[..., 3] * q[..., 3])
+    return q / n[..., None]
+
+
+# --------------------------------------------------------------------------
+# sign vector (randomised Hadamard)
+# --------------------------------------------------------------------------
+
+def signs() -> np.ndarray:
+    """(128,) float64 in {+1, -1}: S = 1 - 2 * default_rng(SEED + 1).integers(0, 2, 128)."""
+    bits = np.random.default_rng(SEED + 1).integers(0, 2, DIM)
+    return 1.0 - 2.0 * bits.astype(np.float64)
+
+
+def hadamard() -> np.ndarray:
+    """Sylvester Hadamard matrix (natural order, = the butterfly WHT), float64, unscaled."""
+    h = np.array([[1.0]])
+    while h.shape[0] < DIM:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+# --------------------------------------------------------------------------
+# derivation + rendering
+# --------------------------------------------------------------------------
+
+def derive() -> dict:
+    cb64, iters, last_step = lloyd_max()
+    cb32 = cb64.astype(np.float32)
+    bnd32 = (0.5 * (cb64[:-1] + cb64[1:])).astype(np.float32)
+    mse64 = quantizer_mse(cb64, 0.5 * (cb64[:-1] + cb64[1:]))
+    mse32 = quantizer_mse(cb32.astype(np.float64), bnd32.astype(np.float64))
+    mse_quad = quantizer_mse_quad(cb64, 0.5 * (cb64[:-1] + cb64[1:]))
+    # fixed-point residual of the float64 codebook
+    resid = float(np.max(np.abs(lloyd_step(cb64[NLEVELS // 2:]) - cb64[NLEVELS // 2:])))
+
+    q = quaternions()
+    so4 = np.stack([so4_matrix(q[g, 0], q[g, 1]) for g in range(NGROUPS)])
+    so3 = np.stack([so3_matrix(q[g, 0]) for g in range(NGROUPS)])
+    # sanity: the analytic SO(3) form equals the quaternion conjugation
+    so3_ref = np.stack([so4_matrix(q[g, 0], q[g, 0]) for g in range(NGROUPS)])
+    assert np.max(np.abs(so3 - so3_ref)) < 1e-14
+    eye = np.eye(4)
+    assert np.max(np.abs(so4 @ so4.transpose(0, 2, 1) - eye)) < 1e-14
+    assert np.all(np.linalg.det(so4) > 0) and np.all(np.linalg.det(so3) > 0)
+
+    s = signs()
+    # S must not be (close to) a Walsh function, else the constant vector would still
+    # land on few WHT coordinates: largest |WHT(S)| coefficient, in units of ||S||
+    wht_s = hadamard() @ s / DIM
+    dc_max = float(np.max(np.abs(wht_s)))
+    assert dc_max < 0.5, dc_max
+
+    return {
+        "signs": s,
+        "signs_dc_max": dc_max,
+        "signs_nneg": int(np.sum(s < 0)),
+        "codebook_f64": cb64,
+        "codebook": cb32,
+        "bounds": bnd32,
+        "so4": so4.astype(np.float32).reshape(NGROUPS, 16),
+        "so3": so3.astype(np.float32).reshape(NGROUPS, 16),
+        "quats": q,
+        "wht_scale": np.float32(1.0 / math.sqrt(DIM)),
+        "iterations": iters,
+        "last_step": last_step,
+        "fixed_point_residual": resid,
+        "mse_per_coord": mse64,
+        "mse_per_coord_f32": mse32,
+        "mse_per_coord_quad": mse_quad,
+    }
+
+
+def _c_float(v) -> str:
+    s = "%.9g" % float(np.float32(v))
+    if not any(ch in s for ch in ".en"):
+        s += ".0"
+    return s + "f"
+
+
+def _py_float(v) -> str:
+    # the exact double value of the float32: float32(this) round-trips exactly
+    return repr(float(np.float32(v)))
+
+
+def render_c(t: dict) -> str:
+    out = []
+    out.append("/* GENERATED FILE - DO NOT EDIT.")
+    out.append(f" * Generated by `{COMMAND}` (seed {SEED});")
+    out.append(f" * verify with `{COMMAND} --check`.")
+    out.append(" *")
+    out.append(" * Constant tables of GGML_TYPE_ISOQUANT3_0 (see docs/isoquant-design.md):")
+    out.append(" *   iq3_codebook: 3-bit Lloyd-Max levels for one coordinate of a uniform")
+    out.append(" *                 unit vector in R^128, f(x) ~ (1-x^2)^62.5 on [-1,1]")
+    out.append(f" *                 (per-coordinate MSE {t['mse_per_coord']:.6e},"
+               f" relative MSE per vector {DIM * t['mse_per_coord']:.5f})")
+    out.append(" *   iq3_bounds:   decision thresholds, idx = #{k : y > iq3_bounds[k]}")
+    out.append(" *   iq3_so4:      per 4-group row-major 4x4 matrix of v -> qL v conj(qR)")
+    out.append(" *   iq3_so3:      per 4-group row-major 4x4 matrix of v -> qL v conj(qL) (v1 ablation)")
+    out.append(" *   iq3_signs:    fixed random +-1 vector S (exactly 1.0f / -1.0f) of the rotation")
+    out.append(" *                 R = SO4 . WHT . diag(S): rotate t[i] = x[i] * iq3_signs[i] before the")
+    out.append(" *                 WHT; the inverse multiplies by it after the final WHT scaling (v3, v1)")
+    out.append(" *   iq3_wht_scale: float32(1/sqrt(128))")
+    out.append(" */")
+    out.append("#pragma once")
+    out.append("")
+    out.append(f"static const float iq3_wht_scale = {_c_float(t['wht_scale'])};")
+    out.append("")
+    out.append("static const float iq3_signs[128] = {")
+    for r in range(0, DIM, 16):
+        out.append("    " + " ".join(("1.0f," if v > 0 else "-1.0f,").rjust(6)
+                                     for v in t["signs"][r:r + 16]).rstrip())
+    out.append("};")
+    out.append("")
+    out.append("static const float iq3_codebook[8] = {")
+    out.append("    " + ", ".join(_c_float(v) for v in t["codebook"][:4]) + ",")
+    out.append("    " + ", ".join(_c_float(v) for v in t["codebook"][4:]) + ",")
+    out.append("};")
+    out.append("")
+    out.append("static const float iq3_bounds[7] = {")
+    out.append("    " + ", ".join(_c_float(v) for v in t["bounds"][:3]) + ",")
+    out.append("    " + ", ".join(_c_float(v) for v in t["bounds"][3:]) + ",")
+    out.append("};")
+    for name in ("so4", "so3"):
+        out.append("")
+        out.append(f"static const float iq3_{name}[32][16] = {{")
+        for g in range(NGROUPS):
+            m = t[name][g]
+            out.append(f"    {{ /* group {g} */")
+            for r in range(4):
+                out.append("        " + " ".join(_c_float(v) + "," for v in m[4 * r:4 * r + 4]))
+            out.append("    },")
+        out.append("};")
+    out.append("")
+    return "\n".join(out)
+
+
+def render_py(t: dict) -> str:
+    out = []
+    out.append('"""Constant tables of the ISOQUANT3_0 KV-cache type (GENERATED - DO NOT EDIT).')
+    out.append("")
+    out.append(f"Generated by `{COMMAND}`;")
+    out.append(f"verify with `{COMMAND} --check`.")
+    out.append("Every float below is the exact value of a float32 (wrap with numpy.float32);")
+    out.append("the C twin is ggml-patches/src/isoquant-tables.h.  See docs/isoquant-design.md.")
+    out.append('"""')
+    out.append("")
+    out.append(f"SEED = {SEED}")
+    out.append(f"DIM = {DIM}")
+    out.append("# per-coordinate MSE of the Lloyd-Max quantizer for a unit vector in R^128")
+    out.append("# (6 significant digits; multiply by DIM for the expected relative MSE)")
+    out.append(f"LLOYD_MSE_PER_COORD = {float('%.6e' % t['mse_per_coord'])!r}")
+    out.append("")
+    out.append(f"WHT_SCALE = {_py_float(t['wht_scale'])}")
+    out.append("")
+    out.append("# fixed random +-1 vector S applied before the WHT (v3, v1):")
+    out.append(f"# S = 1 - 2 * numpy.random.default_rng({SEED} + 1).integers(0, 2, {DIM})")
+    out.append("SIGNS = [")
+    for r in range(0, DIM, 16):
+        out.append("    " + " ".join((f"{v:.1f},").rjust(5) for v in t["signs"][r:r + 16]))
+    out.append("]")
+    out.append("")
+    out.append("CODEBOOK = [")
+    for v in t["codebook"]:
+        out.append(f"    {_py_float(v)},")
+    out.append("]")
+    out.append("")
+    out.append("BOUNDS = [")
+    for v in t["bounds"]:
+        out.append(f"    {_py_float(v)},")
+    out.append("]")
+    out.append("")
+    out.append("# unit quaternions (w, x, y, z) per group, float64 (reference): [q_L, q_R]")
+    out.append("QUATERNIONS = [")
+    for g in range(NGROUPS):
+        ql = ", ".join(repr(float(v)) for v in t["quats"][g, 0])
+        qr = ", ".join(repr(float(v)) for v in t["quats"][g, 1])
+        out.append(f"    [[{ql}],")
+        out.append(f"     [{qr}]],")
+    out.append("]")
+    for name, comment in (("so4", "v -> q_L v conj(q_R)"), ("so3", "v -> q_L v conj(q_L)")):
+        out.append("")
+        out.append(f"# row-major 4x4 per group: {comment}")
+        out.append(f"{name.upper()} = [")
+        for g in range(NGROUPS):
+            m = t[name][g]
+            out.append(f"    [  # group {g}")
+            for r in range(4):
+                out.append("        " + ", ".join(_py_float(v) for v in m[4 * r:4 * r + 4]) + ",")
+            out.append("    ],")
+        out.append("]")
+    out.append("")
+    return "\n".join(out)
+
+
+def report(t: dict) -> str:
+    lines = [
+        f"Lloyd-Max: {t['iterations']} iterations, last step {t['last_step']:.3e}, "
+        f"fixed-point residual {t['fixed_point_residual']:.3e}",
+        f"per-coordinate MSE  closed form {t['mse_per_coord']:.12e}",
+        f"                    quadrature  {t['mse_per_coord_quad']:.12e}",
+        f"                    float32 cb  {t['mse_per_coord_f32']:.12e}",
+        f"relative MSE per 128-vector (x DIM): {DIM * t['mse_per_coord']:.6f}",
+        "codebook (float32): " + ", ".join("%.9g" % v for v in t["codebook"]),
+        "bounds   (float32): " + ", ".join("%.9g" % v for v in t["bounds"]),
+        "codebook x sqrt(128): " + ", ".join("%.5f" % (v * math.sqrt(DIM)) for v in t["codebook_f64"]),
+        "signs S: " + "".join("+" if v > 0 else "-" for v in t["signs"])
+        + f"  ({t['signs_nneg']} negative; max |WHT(S)|/||S|| = {t['signs_dc_max']:.4f})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate in memory; exit 1 if the committed files differ")
+    ap.add_argument("--report", action="store_true", help="print the derivation log")
+    args = ap.parse_args(argv)
+
+    t = derive()
+    files = {C_HEADER: render_c(t), PY_TABLES: render_py(t)}
+    if args.report or not args.check:
+        print(report(t))
+    if args.check:
+        bad = [p for p, txt in files.items()
+               if not p.exists() or p.read_text(encoding="utf-8") != txt]
+        for p in bad:
+            print(f"STALE: {p.relative_to(ROOT)} differs from a fresh derivation; "
+                  f"run `{COMMAND}`", file=sys.stderr)
+        if not bad:
+            print("isoquant tables up to date")
+        return 1 if bad else 0
+    for p, txt in files.items():
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(txt, encoding="utf-8")
+        print(f"wrote {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

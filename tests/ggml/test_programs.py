@@ -1,0 +1,35 @@
+"""The C/C++ test programs built with the tree: ours (tests/c) and upstream's, restricted to our types."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+
+def _run(cmd, timeout=900):
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_fused_attention_matches_dequantised_twin(bin_dir):
+    rc, out = _run([bin_dir / "test-rq-attn"])
+    assert rc == 0, out[-4000:]
+
+
+def test_upstream_quantize_fns(bin_dir):
+    rc, out = _run([bin_dir / "test-quantize-fns", "-v"])
+    assert rc == 0, out[-4000:]
+    # our type was really exercised (not skipped)
+    assert "isoquant3_0 absolute quantization error:    ok" in out
+    assert "isoquant3_0 dot product error:              ok" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("op", ["FLASH_ATTN_EXT", "GET_ROWS", "SET_ROWS", "CPY", "MUL_MAT"])
+def test_backend_ops_cpu_isoquant(bin_dir, op):
+    # -b CPU: the optimised CPU backend (fused paths) against the same backend in reference mode
+    rc, out = _run([bin_dir / "test-backend-ops", "test", "-b", "CPU", "-o", op, "-p", "isoquant3_0"])
+    assert rc == 0, out[-4000:]
+    n_ok = out.count("OK")
+    assert n_ok > 0 and "FAIL" not in out, out[-4000:]
