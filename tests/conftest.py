@@ -48,3 +48,29 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+
+def sane(text: str) -> bool:
+    """Looks like language: enough words, mostly letters, not one word repeated."""
+    words = text.split()
+    if len(words) < 5:
+        return False
+    letters = sum(ch.isalpha() or ch.isspace() for ch in text) / max(1, len(text))
+    return letters > 0.7 and len(set(words)) / len(words) > 0.4
+
+
+@pytest.fixture(scope="session")
+def sane_text():
+    return sane
+
+
+@pytest.fixture(scope="session")
+def smollm2_f16(bin_dir, smollm2, tmp_path_factory) -> Path:
+    """SmolLM2 requantised to F16: the baseline that quantisers start from (its weights are Q4_1-rounded)."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("f16") / "smollm2-f16.gguf"
+    proc = subprocess.run([str(bin_dir / "llama-quantize"), "--allow-requantize", str(smollm2), str(out), "F16"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out

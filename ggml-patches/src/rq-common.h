@@ -18,15 +18,17 @@ typedef struct {
 } block_isoq_q;
 static_assert(sizeof(block_isoq_q) == QK_ISO*sizeof(float), "wrong isoq_q block size/padding");
 
-// ITQ3_S: 256 weights rotated by the normalised FWHT-256, then 3-bit codes on a shared 8-level grid:
-// w_rot[i] = d * grid[q_i] + m. The code layout inside qs is described in itq3.c.
+// ITQ3_S: 256 weights after signs and the normalised FWHT-256, as 3-bit codes on a shared 8-level
+// grid: w_rot[i] = d * grid[q_i] + m. qs: low 2 bits of codes j, 64+j, 128+j, 192+j in qs[j];
+// qh: bit b of qh[j] is the high bit of code 32b+j.
 #define QK_ITQ 256
 typedef struct {
     ggml_half d;
     ggml_half m;
-    uint8_t   qs[QK_ITQ*3/8];
+    uint8_t   qs[QK_ITQ/4];
+    uint8_t   qh[QK_ITQ/8];
 } block_itq3_s;
-static_assert(sizeof(block_itq3_s) == 2*sizeof(ggml_half) + QK_ITQ*3/8, "wrong itq3_s block size/padding");
+static_assert(sizeof(block_itq3_s) == 2*sizeof(ggml_half) + QK_ITQ/4 + QK_ITQ/8, "wrong itq3_s block size/padding");
 
 // Q8_ITQ (internal): ITQ3_S's vec_dot_type, an activation block after the same FWHT-256, in the
 // block_q8_K layout (float d, int8 qs[256], int16 bsums[16]).

@@ -23,14 +23,6 @@ def _complete(bin_dir, model, extra=(), n=24, prompt=PROMPT, env=None, ctx=512):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=e)
 
 
-def sane(text: str) -> bool:
-    words = text.split()
-    if len(words) < 5:
-        return False
-    letters = sum(ch.isalpha() or ch.isspace() for ch in text) / max(1, len(text))
-    return letters > 0.7 and len(set(words)) / len(words) > 0.4
-
-
 def test_unsupported_head_size_is_a_clear_error(bin_dir, smollm2):
     proc = _complete(bin_dir, smollm2, ISO, n=4)
     assert proc.returncode != 0
@@ -38,15 +30,15 @@ def test_unsupported_head_size_is_a_clear_error(bin_dir, smollm2):
     assert "K=64" in proc.stderr
 
 
-def test_cli_generates_sane_text_fused_and_unfused(bin_dir, gemma3):
+def test_cli_generates_sane_text_fused_and_unfused(bin_dir, gemma3, sane_text):
     fused = _complete(bin_dir, gemma3, ISO)
     assert fused.returncode == 0, fused.stderr[-2000:]
     assert "isoquant3_0 attention = fused" in fused.stderr
-    assert sane(fused.stdout), fused.stdout
+    assert sane_text(fused.stdout), fused.stdout
     unfused = _complete(bin_dir, gemma3, [*ISO, "--isoquant-unfused"])
     assert unfused.returncode == 0, unfused.stderr[-2000:]
     assert "isoquant3_0 attention = unfused" in unfused.stderr
-    assert sane(unfused.stdout), unfused.stdout
+    assert sane_text(unfused.stdout), unfused.stdout
 
 
 def test_fused_and_unfused_attention_agree_on_the_real_model(gemma3):
@@ -77,7 +69,7 @@ def test_context_shift_with_isoquant_k(bin_dir, gemma3):
     assert len(proc.stdout.split()) > 100
 
 
-def test_python_llama_counters_and_state(gemma3):
+def test_python_llama_counters_and_state(gemma3, sane_text):
     import llama_cpp
 
     from rotaryquant import bindings
@@ -92,7 +84,7 @@ def test_python_llama_counters_and_state(gemma3):
     bindings.reset_counters()
     out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
     c = bindings.counters()
-    assert sane(out), out
+    assert sane_text(out), out
     assert c["iso_fused_calls"] > 0 and c["iso_quant_rows"] > 0
     assert c["iso_dequant_rows"] == 0, c  # fused: no K/V row is ever turned back into floats
 
@@ -123,4 +115,4 @@ def test_python_llama_counters_and_state(gemma3):
     finally:
         bindings.set_iso_unfused(False)
     assert c2["iso_dequant_rows"] > 0, c2
-    assert sane(out2), out2
+    assert sane_text(out2), out2

@@ -9,6 +9,8 @@
 #include "ggml-quants.h"
 #include "ggml-rq.h"
 #include "rq-cpu.h"
+#include "quants.h"
+#include "ggml-rq/itq3-tables.h"
 
 #include <assert.h>
 #include <string.h>
@@ -135,4 +137,84 @@ void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref
     if (type_k == GGML_TYPE_ISOQUANT3_0 || type_v == GGML_TYPE_ISOQUANT3_0) {
         ggml_rq_counter_add(use_ref ? GGML_RQ_ISO_FALLBACK_CALLS : GGML_RQ_ISO_FUSED_CALLS, 1);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ITQ3_S x Q8_ITQ: both sides are in the rotated domain, so the dot product is a plain integer dot
+// against the grid values: sum_b dx * (d * sum_i grid[q_i] qx_i + m * sum_i qx_i)
+
+void quantize_row_itq3_s(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_itq3_s_ref(x, (block_itq3_s *) y, k);
+}
+
+void quantize_row_q8_itq(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ITQ == 0);
+    float t[QK_ITQ];
+    for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
+        for (int i = 0; i < QK_ITQ; ++i) {
+            t[i] = x[ib*QK_ITQ + i]*itq3_signs[i];
+        }
+        ggml_rq_fwht256(t);
+        quantize_row_q8_K(t, (block_q8_K *) y + ib, QK_ITQ);
+    }
+}
+
+void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc) {
+    assert(nrc == 1);
+    assert(n % QK_ITQ == 0);
+    GGML_UNUSED(nrc); GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by);
+
+    const block_itq3_s * GGML_RESTRICT x = vx;
+    const block_q8_K   * GGML_RESTRICT y = vy;
+    const int nb = n / QK_ITQ;
+    const int8_t * grid = itq3_grid;
+
+#if defined(__AVX2__)
+    // grid lookup with pshufb (8 entries, both lanes); |g| x sign(x, g) keeps maddubs in range
+    const __m128i g8   = _mm_loadl_epi64((const __m128i *) grid);
+    const __m256i gtab = _mm256_broadcastsi128_si256(g8);
+    const __m256i m3   = _mm256_set1_epi8(3);
+    const __m256i m1   = _mm256_set1_epi8(1);
+    const __m256i ones = _mm256_set1_epi16(1);
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib) {
+        const __m256i lo0 = _mm256_loadu_si256((const __m256i *) (x[ib].qs +  0));
+        const __m256i lo1 = _mm256_loadu_si256((const __m256i *) (x[ib].qs + 32));
+        const __m256i hi  = _mm256_loadu_si256((const __m256i *) x[ib].qh);
+        __m256i acc = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+            // codes 32c..32c+31: low bits from qs[32*(c&1) + t] >> 2*(c>>1), high bit from qh[t] >> c
+            const __m256i lo  = _mm256_and_si256(_mm256_srli_epi16(c & 1 ? lo1 : lo0, 2*(c >> 1)), m3);
+            const __m256i h   = _mm256_and_si256(_mm256_srli_epi16(hi, c), m1);
+            const __m256i idx = _mm256_or_si256(lo, _mm256_slli_epi16(h, 2));
+            const __m256i g   = _mm256_shuffle_epi8(gtab, idx);
+            const __m256i q8  = _mm256_loadu_si256((const __m256i *) (y[ib].qs + 32*c));
+            const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(g, g), _mm256_sign_epi8(q8, g));
+            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, ones));
+        }
+        __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+        a4 = _mm_hadd_epi32(a4, a4);
+        a4 = _mm_hadd_epi32(a4, a4);
+        const int32_t isum = _mm_cvtsi128_si32(a4);
+        int32_t qsum = 0;
+        for (int j = 0; j < QK_ITQ/16; ++j) {
+            qsum += y[ib].bsums[j];
+        }
+        sumf += y[ib].d * (GGML_CPU_FP16_TO_FP32(x[ib].d) * (float) isum + GGML_CPU_FP16_TO_FP32(x[ib].m) * (float) qsum);
+    }
+    *s = sumf;
+#else
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib) {
+        int32_t isum = 0, qsum = 0;
+        for (int i = 0; i < QK_ITQ; ++i) {
+            const int q = ((x[ib].qs[i & 63] >> (2*(i >> 6))) & 3) | (((x[ib].qh[i & 31] >> (i >> 5)) & 1) << 2);
+            isum += grid[q] * y[ib].qs[i];
+            qsum += y[ib].qs[i];
+        }
+        sumf += y[ib].d * (GGML_CPU_FP16_TO_FP32(x[ib].d) * (float) isum + GGML_CPU_FP16_TO_FP32(x[ib].m) * (float) qsum);
+    }
+    *s = sumf;
+#endif
 }

@@ -24,6 +24,12 @@ void ggml_rq_iso_mad_rot(int n, float * GGML_RESTRICT acc, const void * GGML_RES
 // acc <- R^T acc for every 128-value block (once per output row), unless the ablation switch is set
 void ggml_rq_iso_unrotate(int n, float * acc);
 
+void quantize_row_itq3_s(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_q8_itq (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+// sum_b dx_b * (d_b * <grid[q_b], qx_b> + m_b * sum(qx_b)): both operands in the rotated domain
+void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                const void * GGML_RESTRICT vy, size_t by, int nrc);
+
 // counts flash-attention ops that touch ISOQUANT3_0 K/V (fused vs reference path)
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);
 

@@ -1,0 +1,274 @@
+// ITQ3_S reference quantiser/dequantiser and the Q8_ITQ activation format. Part of ggml-base,
+// compiled with -ffp-contract=off: converter/itq3.py follows the same operation order and matches
+// bit for bit (docs/itq3-design.md has the spec and the measurements behind every choice).
+//
+//   quantise:   y = FWHT256(S w); centre; pick the step d among 4 candidates around the
+//               Gaussian-optimal one (least-squares (d, o) per candidate), 3 Lloyd rounds;
+//               codes q on the 8-level grid, w_rot ~ d*grid[q] + m
+//   dequantise: w = S FWHT256(d*grid[q] + m)   (FWHT256 = H/16 is its own inverse)
+//   matmul:     w.x = sum_b (H S w_b).(H S x_b): activations are rotated once per row (Q8_ITQ)
+//
+// Codes: qs[j] holds the low 2 bits of codes j, 64+j, 128+j, 192+j (bits 0-1, 2-3, 4-5, 6-7);
+// bit b of qh[j] is the high bit of code 32b+j. 32 consecutive codes then unpack with one shift
+// and mask per bit plane.
+
+#define GGML_COMMON_DECL_C
+#include "ggml-common.h"
+
+#include "ggml-quants.h"
+#include "ggml-impl.h"
+
+#include "itq3-tables.h"
+
+#include <math.h>
+#include <string.h>
+
+#define ITQ_VAR_EPS 0x1p-80f
+#define ITQ_LLOYD   3
+
+static const int itq3_thr2[7] = { -206, -124, -59, 0, 59, 124, 206 };
+
+void ggml_rq_fwht256(float * GGML_RESTRICT v) {
+    for (int h = 1; h < QK_ITQ; h <<= 1) {
+        for (int i = 0; i < QK_ITQ; i += 2*h) {
+            for (int j = i; j < i + h; ++j) {
+                const float a = v[j];
+                const float b = v[j + h];
+                v[j]     = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+    for (int i = 0; i < QK_ITQ; ++i) {
+        v[i] *= 0.0625f;
+    }
+}
+
+// pairwise sum over 256 values in a fixed order (a scratch copy is summed)
+static float itq3_tree(const float * x) {
+    float a[QK_ITQ/2];
+    for (int i = 0; i < QK_ITQ/2; ++i) {
+        a[i] = x[i] + x[i + QK_ITQ/2];
+    }
+    for (int n = QK_ITQ/4; n > 0; n >>= 1) {
+        for (int i = 0; i < n; ++i) {
+            a[i] = a[i] + a[i + n];
+        }
+    }
+    return a[0];
+}
+
+static inline int itq3_code(float x2) {
+    int q = 0;
+    for (int k = 0; k < 7; ++k) {
+        q += x2 >= (float) itq3_thr2[k];
+    }
+    return q;
+}
+
+static inline ggml_half itq3_f16_sat(float x) {
+    return GGML_FP32_TO_FP16(x > 65504.0f ? 65504.0f : (x < -65504.0f ? -65504.0f : x));
+}
+
+// codes for inverse half-step inv2 and offset o, and the sums of the least-squares fit of (d, o)
+struct itq3_fit {
+    float sgt; // sum grid[q_i] * yc_i
+    float sg;  // sum grid[q_i] (exact)
+    float den; // 256 sum grid^2 - (sum grid)^2
+    float d, o;
+};
+
+static struct itq3_fit itq3_assign(const float * yc, float inv2, float o, uint8_t * q) {
+    float p[QK_ITQ];
+    int64_t sg = 0, sg2 = 0;
+    for (int i = 0; i < QK_ITQ; ++i) {
+        q[i] = (uint8_t) itq3_code((yc[i] - o) * inv2);
+        const int g = itq3_grid[q[i]];
+        p[i] = (float) g * yc[i];
+        sg  += g;
+        sg2 += g*g;
+    }
+    struct itq3_fit f;
+    f.sgt = itq3_tree(p);
+    f.sg  = (float) sg;
+    f.den = (float) (256*sg2 - sg*sg);
+    f.d   = f.den > 0 ? 256.0f*f.sgt/f.den : 0.0f;
+    f.o   = -(f.d*f.sg)*(1.0f/256);
+    return f;
+}
+
+static void itq3_quantize_block(const float * GGML_RESTRICT w, const float * GGML_RESTRICT iw, block_itq3_s * GGML_RESTRICT out) {
+    float y[QK_ITQ], yc[QK_ITQ], t[QK_ITQ];
+    uint8_t q[QK_ITQ];
+
+    // 1. rotate
+    for (int i = 0; i < QK_ITQ; ++i) {
+        y[i] = w[i] * itq3_signs[i];
+    }
+    ggml_rq_fwht256(y);
+
+    // 2. moments
+    for (int i = 0; i < QK_ITQ; ++i) {
+        t[i] = y[i]*y[i];
+    }
+    const float sy  = itq3_tree(y);
+    const float ss  = itq3_tree(t);
+    const float mu  = sy*(1.0f/256);
+    const float var = ss*(1.0f/256) - mu*mu;
+    const bool flat = !(var > ITQ_VAR_EPS);
+
+    // 3. centre, Gaussian-optimal starting step
+    for (int i = 0; i < QK_ITQ; ++i) {
+        yc[i] = y[i] - mu;
+    }
+    const float d0 = itq3_C * sqrtf(flat ? 1.0f : var);
+
+    // 4. scale candidates: keep the least-squares fit that removes the most error or, with an
+    //    importance matrix, the one with the smallest weighted error in the original domain
+    float d = 0.0f, o = -(0.0f*0.0f)*(1.0f/256);
+    float best = iw ? INFINITY : -1.0f;
+    for (int k = 0; k < 4; ++k) {
+        const struct itq3_fit f = itq3_assign(yc, 2.0f/(d0*itq3_F[k]), 0.0f, q);
+        float sc;
+        if (!iw) {
+            sc = f.den > 0 ? f.sgt*f.sgt/f.den : 0.0f;
+            if (!(sc > best)) {
+                continue;
+            }
+        } else {
+            for (int i = 0; i < QK_ITQ; ++i) {
+                t[i] = y[i] - ((f.d*(float) itq3_grid[q[i]] + f.o) + mu);
+            }
+            ggml_rq_fwht256(t);
+            for (int i = 0; i < QK_ITQ; ++i) {
+                const float e = t[i]*itq3_signs[i];
+                t[i] = iw[i]*(e*e);
+            }
+            sc = itq3_tree(t);
+            if (!(sc < best)) {
+                continue;
+            }
+        }
+        best = sc;
+        d = f.d;
+        o = f.o;
+    }
+
+    // 5. Lloyd rounds: reassign codes, refit (d, o)
+    struct itq3_fit f = { 0 };
+    for (int r = 0; r < ITQ_LLOYD; ++r) {
+        f = itq3_assign(yc, 2.0f/(d > 0 ? d : d0), o, q);
+        d = f.d;
+        o = f.o;
+    }
+
+    // 6. final step and offset. The step is norm-preserving, not least-squares: the least-squares
+    //    step shrinks every block by ~(1 - relMSE), a systematic gain bias in every matmul output;
+    //    preserving the centred energy halves it for +0.4% RMSE. The offset absorbs fp16 rounding.
+    float m;
+    if (!iw) {
+        for (int i = 0; i < QK_ITQ; ++i) {
+            t[i] = yc[i]*yc[i];
+        }
+        const float syc2 = itq3_tree(t);
+        d = (flat || !(d > 0)) ? 0.0f : sqrtf(256.0f*syc2/f.den);
+        out->d = itq3_f16_sat(d);
+        m = (sy - GGML_FP16_TO_FP32(out->d)*f.sg)*(1.0f/256);
+    } else {
+        if (flat || !(d > 0)) {
+            d = 0.0f;
+        }
+        // weighted, norm-preserving refit in the original domain: u = S FWHT256(grid[q]); the rotated offset m
+        // only moves original weight 0 (FWHT256 of a constant is 16 m e_0), so m makes w_0 exact
+        float u[QK_ITQ], a[QK_ITQ], b[QK_ITQ];
+        for (int i = 0; i < QK_ITQ; ++i) {
+            u[i] = (float) itq3_grid[q[i]];
+        }
+        ggml_rq_fwht256(u);
+        for (int i = 0; i < QK_ITQ; ++i) {
+            u[i] *= itq3_signs[i];
+            a[i] = (iw[i]*w[i])*u[i];
+            b[i] = (iw[i]*u[i])*u[i];
+            t[i] = (iw[i]*w[i])*w[i];
+        }
+        a[0] = 0.0f;
+        b[0] = 0.0f;
+        t[0] = 0.0f;
+        const float num = itq3_tree(a);
+        const float dn  = itq3_tree(b);
+        const float ww  = itq3_tree(t);
+        if (!flat && dn > 0 && num > 0) {
+            d = sqrtf(ww/dn);
+        }
+        out->d = itq3_f16_sat(d);
+        m = (w[0] - GGML_FP16_TO_FP32(out->d)*u[0])/(16.0f*itq3_signs[0]);
+    }
+    if (flat) {
+        m = mu;
+    }
+    out->m = itq3_f16_sat(m);
+
+    // 7. pack
+    memset(out->qs, 0, sizeof(out->qs));
+    for (int j = 0; j < QK_ITQ/4; ++j) {
+        out->qs[j] = (uint8_t) ((q[j] & 3) | (q[64 + j] & 3) << 2 | (q[128 + j] & 3) << 4 | (q[192 + j] & 3) << 6);
+    }
+    for (int j = 0; j < QK_ITQ/8; ++j) {
+        uint8_t h = 0;
+        for (int b = 0; b < 8; ++b) {
+            h |= (uint8_t) (((q[32*b + j] >> 2) & 1) << b);
+        }
+        out->qh[j] = h;
+    }
+}
+
+void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ITQ == 0);
+    for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
+        itq3_quantize_block(x + ib*QK_ITQ, NULL, y + ib);
+    }
+}
+
+size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, const float * imatrix) {
+    assert(n_per_row % QK_ITQ == 0);
+    const size_t row_size = ggml_row_size(GGML_TYPE_ITQ3_S, n_per_row);
+    char * qrow = (char *) dst;
+    for (int64_t r = 0; r < nrow; ++r) {
+        block_itq3_s * yb = (block_itq3_s *) qrow;
+        for (int64_t ib = 0; ib < n_per_row / QK_ITQ; ++ib) {
+            itq3_quantize_block(src + r*n_per_row + ib*QK_ITQ, imatrix ? imatrix + ib*QK_ITQ : NULL, yb + ib);
+        }
+        qrow += row_size;
+    }
+    return nrow * row_size;
+}
+
+void dequantize_row_itq3_s(const block_itq3_s * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ITQ == 0);
+    for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
+        const float d = GGML_FP16_TO_FP32(x[ib].d);
+        const float m = GGML_FP16_TO_FP32(x[ib].m);
+        float * v = y + ib*QK_ITQ;
+        for (int i = 0; i < QK_ITQ; ++i) {
+            const int q = ((x[ib].qs[i & 63] >> (2*(i >> 6))) & 3) | (((x[ib].qh[i & 31] >> (i >> 5)) & 1) << 2);
+            v[i] = d*(float) itq3_grid[q] + m;
+        }
+        ggml_rq_fwht256(v);
+        for (int i = 0; i < QK_ITQ; ++i) {
+            v[i] *= itq3_signs[i];
+        }
+    }
+}
+
+// Q8_ITQ: rotate each 256-block of an activation row like the weights, then Q8_K
+void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ITQ == 0);
+    float t[QK_ITQ];
+    for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
+        for (int i = 0; i < QK_ITQ; ++i) {
+            t[i] = x[ib*QK_ITQ + i]*itq3_signs[i];
+        }
+        ggml_rq_fwht256(t);
+        quantize_row_q8_K_ref(t, y + ib, QK_ITQ);
+    }
+}

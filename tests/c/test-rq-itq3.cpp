@@ -1,0 +1,92 @@
+// ITQ3_S matmul against its slow twin.
+//
+// The fast path rotates each activation row once (Q8_ITQ: signs, FWHT-256, 8-bit) and takes integer
+// dot products with the packed codes, never inverse-transforming a weight. The twin dequantises the
+// weights with to_float (bit-exact with the numpy reference) and multiplies in double. They may
+// differ only by the 8-bit activation rounding (checked against the same rounding of Q8_K on
+// unrotated activations, which upstream's k-quants accept).
+
+#include "ggml.h"
+#include "ggml-cpu.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+static int n_fail = 0;
+#define CHECK(cond, ...) do { if (!(cond)) { fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fprintf(stderr, "\n"); ++n_fail; } } while (0)
+
+static std::vector<float> matmul(ggml_type tw, const std::vector<float> & w, const std::vector<float> & x, int k, int m, int n, int threads) {
+    ggml_init_params ip = { 64u*1024*1024, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * tw_ = ggml_new_tensor_2d(ctx, tw, k, m);
+    if (tw == GGML_TYPE_F32) {
+        memcpy(tw_->data, w.data(), ggml_nbytes(tw_));
+    } else {
+        ggml_quantize_chunk(tw, w.data(), tw_->data, 0, m, k, nullptr);
+    }
+    ggml_tensor * tx = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    memcpy(tx->data, x.data(), ggml_nbytes(tx));
+    ggml_tensor * out = ggml_mul_mat(ctx, tw_, tx);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    ggml_graph_compute_with_ctx(ctx, gf, threads);
+    std::vector<float> res(ggml_nelements(out));
+    memcpy(res.data(), out->data, ggml_nbytes(out));
+    ggml_free(ctx);
+    return res;
+}
+
+int main() {
+    ggml_cpu_init();
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::student_t_distribution<float> td(3.0f);
+
+    for (int k : {256, 1536, 4096}) {
+        for (int n : {1, 5}) {
+            const int m = 48;
+            std::vector<float> w((size_t) k*m), x((size_t) k*n);
+            for (auto & v : w) v = 0.02f*td(rng);
+            for (auto & v : x) v = nd(rng);
+            for (int j = 7; j < k; j += 97) for (int r = 0; r < n; ++r) x[(size_t) r*k + j] *= 20.0f; // outlier channels
+
+            // the twin: dequantised weights, double-precision dot products
+            std::vector<uint8_t> packed(ggml_row_size(GGML_TYPE_ITQ3_S, k) * m);
+            ggml_quantize_chunk(GGML_TYPE_ITQ3_S, w.data(), packed.data(), 0, m, k, nullptr);
+            std::vector<float> wd(w.size());
+            ggml_get_type_traits(GGML_TYPE_ITQ3_S)->to_float(packed.data(), wd.data(), (int64_t) w.size());
+            std::vector<double> ref((size_t) m*n);
+            for (int r = 0; r < n; ++r)
+                for (int i = 0; i < m; ++i) {
+                    double s = 0;
+                    for (int j = 0; j < k; ++j) s += (double) wd[(size_t) i*k + j] * x[(size_t) r*k + j];
+                    ref[(size_t) r*m + i] = s;
+                }
+
+            const std::vector<float> fast = matmul(GGML_TYPE_ITQ3_S, w, x, k, m, n, 2);
+            const std::vector<float> deq  = matmul(GGML_TYPE_F32, wd, x, k, m, n, 2);
+            double e_fast = 0, e_deq = 0, den = 0;
+            for (size_t i = 0; i < ref.size(); ++i) {
+                e_fast += (fast[i] - ref[i])*(fast[i] - ref[i]);
+                e_deq  += (deq[i]  - ref[i])*(deq[i]  - ref[i]);
+                den    += ref[i]*ref[i];
+            }
+            e_fast = sqrt(e_fast/den);
+            e_deq  = sqrt(e_deq/den);
+            // 8-bit activations after the FWHT: ~0.4% of the output; F32 twin: rounding only
+            if (getenv("RQ_VERBOSE")) printf("k=%d n=%d fused %.3g f32 %.3g\n", k, n, e_fast, e_deq);
+            CHECK(e_fast < 1e-2, "k=%d n=%d: fused ITQ3_S matmul vs dequantised twin rel err %.3g", k, n, e_fast);
+            CHECK(e_deq < 1e-5, "k=%d n=%d: F32 matmul of the dequantised weights rel err %.3g", k, n, e_deq);
+
+            // same result with one thread (the per-row activation conversion is chunked by threads)
+            const std::vector<float> one = matmul(GGML_TYPE_ITQ3_S, w, x, k, m, n, 1);
+            CHECK(memcmp(one.data(), fast.data(), fast.size()*sizeof(float)) == 0, "k=%d n=%d: 1 vs 2 threads differ", k, n);
+        }
+    }
+    printf("test-rq-itq3: %s (%d failures)\n", n_fail == 0 ? "OK" : "FAILED", n_fail);
+    return n_fail == 0 ? 0 : 1;
+}
