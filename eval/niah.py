@@ -1,0 +1,115 @@
+"""Multi-key needle in a haystack (the RotaryQuant paper's Appendix F).
+
+Four random 7-digit numbers, each tied to a different key, are written into Shakespeare at a chosen
+depth; the model is asked for each one in turn and scored exactly (the digits must appear in its
+greedy answer). The haystack is evaluated once per (context, depth, cache type); each question
+then runs from a saved copy of that state.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+KEYS = ("blue lantern", "silver harbour", "green falcon", "amber gate")
+
+
+class NiahError(RuntimeError):
+    """Bad arguments (context too large for the model, unknown cache type, ...)."""
+
+
+@dataclass
+class NiahResult:
+    cache: str
+    ctx: int
+    depth: float
+    found: int
+    asked: int
+    answers: list[str]
+    seconds: float
+
+
+def needles(seed: int) -> list[tuple[str, str]]:
+    rng = random.Random(seed)
+    return [(k, str(rng.randrange(1_000_000, 10_000_000))) for k in KEYS]
+
+
+def build_prompt(llm, haystack_text: str, ctx: int, depth: float, pairs: list[tuple[str, str]],
+                 reserve: int = 96) -> list[int]:
+    """Token ids of a haystack of about ctx - reserve tokens with the needles at `depth`."""
+    block = " ".join(f"The secret number of the {k} is {v}." for k, v in pairs)
+    intro = "Read the text below and remember the secret numbers in it.\n\n"
+    # ~4 characters per token: tokenise only what a ctx-token haystack can use
+    toks_hay = llm.tokenize(haystack_text[: 8 * ctx].encode(), add_bos=False)
+    toks_intro = llm.tokenize(intro.encode(), add_bos=True)
+    toks_needle = llm.tokenize((" " + block + " ").encode(), add_bos=False)
+    n_hay = ctx - reserve - len(toks_intro) - len(toks_needle)
+    if n_hay < 64 or n_hay > len(toks_hay):
+        raise NiahError(f"cannot build a {ctx}-token haystack from {len(toks_hay)} tokens of text")
+    hay = toks_hay[:n_hay]
+    cut = int(n_hay * depth)
+    return toks_intro + hay[:cut] + toks_needle + hay[cut:]
+
+
+def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int], depths: list[float],
+        seed: int = 42, threads: int = 2, max_answer: int = 12, progress=print) -> dict:
+    import llama_cpp
+
+    from rotaryquant.bindings import type_from_name
+    from rotaryquant.eval import kvtypes
+
+    text = haystack.read_text(errors="replace")
+    results: list[NiahResult] = []
+    pairs = needles(seed)
+    for cache in cache_types:
+        tk, tv = (type_from_name(x) for x in kvtypes.split(cache))
+        for ctx in ctxs:
+            llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seed,
+                                  flash_attn=True, type_k=tk, type_v=tv, verbose=False)
+            limit = llama_cpp.llama_model_n_ctx_train(llm.model)
+            if ctx > limit:
+                raise NiahError(f"context {ctx} is larger than the model's training context {limit}")
+            for depth in depths:
+                t0 = time.time()
+                progress(f"[rq-eval niah] {cache} ctx {ctx} depth {depth:.0%}")
+                prompt = build_prompt(llm, text, ctx, depth, pairs)
+                llm.reset()
+                llm.eval(prompt)
+                state = llm.save_state()
+                found, answers = 0, []
+                for key, value in pairs:
+                    llm.load_state(state)
+                    q = llm.tokenize(f"\n\nQuestion: What is the secret number of the {key}?\n"
+                                     f"Answer: The secret number of the {key} is".encode(), add_bos=False)
+                    llm.eval(q)
+                    out = []
+                    for _ in range(max_answer):
+                        tok = llm.sample(temp=0.0)
+                        if tok == llm.token_eos():
+                            break
+                        out.append(tok)
+                        llm.eval([tok])
+                    ans = llm.detokenize(out).decode(errors="replace")
+                    answers.append(ans.strip())
+                    found += value in ans.replace(",", "").replace(" ", "")
+                results.append(NiahResult(cache, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1)))
+            del llm
+    return {"model": model.name, "seed": seed, "needles": pairs, "rows": [asdict(r) for r in results]}
+
+
+def to_markdown(res: dict) -> str:
+    depths = sorted({r["depth"] for r in res["rows"]})
+    lines = [f"## Needle in a haystack: {res['model']}", "",
+             f"{len(res['needles'])} numeric needles (seed {res['seed']}) at each depth; found / asked, greedy.", "",
+             "| cache | ctx | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
+             "|---|---:|" + "---:|" * len(depths)]
+    keys = sorted({(r["cache"], r["ctx"]) for r in res["rows"]}, key=lambda k: (k[1], k[0]))
+    for cache, ctx in keys:
+        cells = []
+        for d in depths:
+            r = next(x for x in res["rows"] if x["cache"] == cache and x["ctx"] == ctx and x["depth"] == d)
+            cells.append(f"{r['found']}/{r['asked']}")
+        lines.append(f"| {cache} | {ctx} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,30 @@
+"""rotaryquant.eval.kvbench: KV sizes from the model's shapes, and one tiny llama-bench run."""
+
+from __future__ import annotations
+
+import pytest
+
+from rotaryquant.eval import kvbench
+
+
+def test_kv_bytes_per_token(gemma3, smollm2):
+    g = kvbench.kv_shape(gemma3)
+    assert g.n_layer == 18 and set(g.n_embd_k_gqa) == {256}
+    assert g.bytes_per_token("f16") == 18 * 2 * 256 * 2
+    # exactly 50 bytes per 128 values: 50/256 of F16
+    assert g.bytes_per_token("isoquant3_0") / g.bytes_per_token("f16") == 50 / 256
+    s = kvbench.kv_shape(smollm2)
+    assert s.n_layer == 30 and set(s.n_embd_k_gqa) == {192}
+
+
+@pytest.mark.slow
+def test_bench_runs_and_computes_ratios(gemma3):
+    res = kvbench.bench(gemma3, configs=[c for c in kvbench.DEFAULT_CONFIGS if c[0] in ("f16", "isoquant3_0",
+                                                                                      "isoquant3_0-unfused")],
+                        depths=[0], n_prompt=16, n_gen=4, reps=1, progress=lambda *_: None)
+    rows = {r["label"]: r for r in res["rows"]}
+    assert set(rows) == {"f16", "isoquant3_0", "isoquant3_0-unfused"}
+    assert all(r["tg_tps"] > 0 and r["pp_tps"] > 0 for r in rows.values())
+    assert rows["f16"]["extra"]["tg_vs_f16"] == pytest.approx(1.0)
+    assert "tg_fused_over_unfused" in rows["isoquant3_0"]["extra"]
+    assert "| isoquant3_0 | 0 |" in kvbench.to_markdown(res)
