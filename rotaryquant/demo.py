@@ -1,8 +1,11 @@
-"""`make demo`: the main job on the embedded default model.
+"""`make demo`: the main job on the embedded default models.
 
-Runs the patched llama.cpp (``llama-completion``) greedily on Gemma3-270M, whose 256-wide heads
-IsoQuant supports, once with an F16 KV cache and once with ``-ctk isoquant3_0 -ctv isoquant3_0``
-(fused attention), and prints both continuations with the KV-cache sizes llama.cpp reports.
+1. The converter: a Hugging Face folder rebuilt from the packaged SmolLM2-135M GGUF is converted with
+   ``rq-convert --recipe rotaryquant-itq3`` (ITQ3_S where rows allow, per-role types elsewhere) and
+   the result generates greedily in the patched llama.cpp.
+2. The KV cache: Gemma3-270M (head size 256 = 2 x 128) runs with an F16 cache and with
+   ``-ctk isoquant3_0 -ctv isoquant3_0`` (fused attention), printing both continuations and the KV
+   sizes llama.cpp reports.
 """
 
 from __future__ import annotations
@@ -12,15 +15,16 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from rotaryquant import assets
+from rotaryquant import assets, paths
 from rotaryquant.bindings.tools import binary
 
 PROMPT = "The three most important inventions of the nineteenth century were"
 
 
 def run_completion(model: str, prompt: str, n_predict: int, cache_type: str, threads: int) -> tuple[str, str, float]:
-    """One greedy completion; returns (text, kv-cache log line, seconds)."""
+    """One greedy completion; returns (text, kv-cache log lines, seconds)."""
     cmd = [str(binary("llama-completion")), "-m", model, "-p", prompt, "-n", str(n_predict),
            "--temp", "0", "--seed", "42", "-no-cnv", "-t", str(threads), "-c", "1024",
            "-fa", "on", "-ctk", cache_type, "-ctv", cache_type, "--no-warmup", "--no-display-prompt", "-lv", "4"]
@@ -34,20 +38,42 @@ def run_completion(model: str, prompt: str, n_predict: int, cache_type: str, thr
     return proc.stdout.strip(), kv, dt
 
 
+def convert_demo(threads: int, n_predict: int) -> None:
+    from rotaryquant.converter.convert import Options, convert
+    from rotaryquant.converter.rebuild import smollm2_hf_folder
+
+    work = paths.cache_dir() / "demo"
+    hf = work / "SmolLM2-135M-Instruct-hf"
+    if not (hf / "config.json").exists():
+        print(f"--- rebuilding a Hugging Face folder from the packaged GGUF -> {hf}")
+        smollm2_hf_folder(assets.model_path("smollm2-135m"), hf)
+    out = work / "SmolLM2-135M-rotaryquant-itq3.gguf"
+    print(f"--- rq-convert {hf.name} {out.name} --recipe rotaryquant-itq3")
+    t0 = time.time()
+    res = convert(hf, out, Options(recipe="rotaryquant-itq3", progress=False))
+    print(res.planner.summary())
+    print(f"    {out.stat().st_size / 2**20:.1f} MiB in {time.time() - t0:.1f} s")
+    text, _, dt = run_completion(str(out), PROMPT, n_predict, "f16", threads)
+    print(f"=== SmolLM2-135M, rotaryquant-itq3 weights ({dt:.1f} s)\n{PROMPT}{text}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m rotaryquant.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="GGUF file (default: the embedded Gemma3-270M)")
+    ap.add_argument("--model", type=Path, default=None, help="GGUF for the KV-cache part (default: embedded Gemma3-270M)")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("-n", "--n-predict", type=int, default=48)
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--skip-convert", action="store_true", help="only the KV-cache part")
     ns = ap.parse_args(argv)
     try:
-        model = ns.model or str(assets.model_path(assets.ISO_MODEL))
+        if not ns.skip_convert:
+            convert_demo(ns.threads, ns.n_predict)
+        model = str(ns.model or assets.model_path(assets.ISO_MODEL))
         for cache in ("f16", "isoquant3_0"):
             text, kv, dt = run_completion(model, ns.prompt, ns.n_predict, cache, ns.threads)
-            print(f"=== KV cache {cache} ({dt:.1f} s)\n{kv}\n\n{ns.prompt}{text}\n")
-    except (assets.AssetError, FileNotFoundError, RuntimeError) as e:
+            print(f"=== Gemma3-270M, KV cache {cache} ({dt:.1f} s)\n{kv}\n\n{ns.prompt}{text}\n")
+    except Exception as e:  # one line, not a traceback: this is the user's first command
         print(f"rq-demo: error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,198 @@
+"""Conversion benchmark: rq-convert against the upstream two-step path, in the same run.
+
+``python -m rotaryquant.converter.bench`` measures, per model and recipe,
+
+* rq-convert: HF folder -> recipe GGUF in one streaming pass;
+* upstream: ``convert_hf_to_gguf.py --outtype f16`` then ``llama-quantize`` to the matching ftype
+  (rotaryquant -> Q4_K_M, itq3 and rotaryquant-itq3 -> ITQ3_S, q8_0 -> Q8_0);
+
+throughput in M source weights per second of wall time and the peak RSS of each process (os.wait4),
+and writes ``docs/results/convert-bench.{json,md}``. SmolLM2 is rebuilt as an HF folder from its
+packaged GGUF; Gemma3 ships no HF folder and its rebuilt tokenizer is unreliable, so Gemma3 is measured
+on the requantisation path (GGUF in: rq-convert vs ``llama-quantize --allow-requantize``).
+Every command runs in a child process, one at a time; ``--tiny`` is a seconds-long smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rotaryquant import paths
+
+UPSTREAM_FTYPE = {"rotaryquant": "Q4_K_M", "itq3": "ITQ3_S", "rotaryquant-itq3": "ITQ3_S", "q8_0": "Q8_0",
+                  "f16": None}
+
+
+@dataclass
+class Step:
+    cmd: list[str]
+    seconds: float
+    peak_rss_mb: float
+    rc: int
+
+
+@dataclass
+class Row:
+    model: str
+    source: str             # "hf" or "gguf"
+    recipe: str
+    path: str               # "rq-convert" or "upstream"
+    weights: int
+    seconds: float
+    peak_rss_mb: float
+    output_mb: float
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def mw_per_s(self) -> float:
+        return self.weights / self.seconds / 1e6 if self.seconds > 0 else float("nan")
+
+
+def run_measured(cmd: list[str], *, env: dict | None = None, nice: int = 0) -> Step:
+    """Run ``cmd``; wall seconds and the child's own peak RSS (ru_maxrss of exactly that process)."""
+    t0 = time.perf_counter()
+    pre = (lambda: os.nice(nice)) if nice else None
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, preexec_fn=pre)
+    assert p.stderr is not None
+    err = p.stderr.read()
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    dt = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {err.decode(errors='replace')[-2000:]}")
+    return Step(cmd, dt, ru.ru_maxrss / 1024.0, p.returncode)
+
+
+def _hf_weights(folder: Path) -> int:
+    from rotaryquant.converter.hf import inspect_folder
+
+    return inspect_folder(folder, paths.llama_root()).n_weights
+
+
+def bench_hf(model: str, folder: Path, recipes: list[str], work: Path, nice: int) -> list[Row]:
+    py = sys.executable
+    n = _hf_weights(folder)
+    rows: list[Row] = []
+    up_script = paths.llama_root() / "convert_hf_to_gguf.py"
+    quant = Path(os.environ.get("RQ_BIN_DIR", paths.bin_dir())) / "llama-quantize"
+    f16 = work / f"{model}-upstream-f16.gguf"
+    for recipe in recipes:
+        out = work / f"{model}-{recipe}.gguf"
+        s = run_measured([py, "-m", "rotaryquant.converter.cli", str(folder), str(out), "--recipe", recipe,
+                          "--no-progress", "--table", "none"], nice=nice)
+        rows.append(Row(model, "hf", recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, out.stat().st_size / 1e6, [s]))
+        out.unlink()
+        s1 = run_measured([py, str(up_script), str(folder), "--outtype", "f16", "--outfile", str(f16)], nice=nice)
+        steps = [s1]
+        size = f16.stat().st_size
+        ft = UPSTREAM_FTYPE.get(recipe)
+        if ft is not None:
+            q = work / f"{model}-upstream-{recipe}.gguf"
+            steps.append(run_measured([str(quant), str(f16), str(q), ft], nice=nice))
+            size = q.stat().st_size
+            q.unlink()
+        f16.unlink()
+        rows.append(Row(model, "hf", recipe, "upstream", n, sum(x.seconds for x in steps),
+                        max(x.peak_rss_mb for x in steps), size / 1e6, steps))
+    return rows
+
+
+def bench_gguf(model: str, gguf_path: Path, recipes: list[str], work: Path, nice: int) -> list[Row]:
+    from gguf import GGUFReader
+
+    n = int(sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors))
+    py = sys.executable
+    quant = Path(os.environ.get("RQ_BIN_DIR", paths.bin_dir())) / "llama-quantize"
+    rows: list[Row] = []
+    for recipe in recipes:
+        out = work / f"{model}-{recipe}.gguf"
+        s = run_measured([py, "-m", "rotaryquant.converter.cli", str(gguf_path), str(out), "--recipe", recipe,
+                          "--no-progress", "--table", "none"], nice=nice)
+        rows.append(Row(model, "gguf", recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, out.stat().st_size / 1e6, [s]))
+        out.unlink()
+        ft = UPSTREAM_FTYPE.get(recipe) or "F16"
+        q = work / f"{model}-upstream-{recipe}.gguf"
+        s2 = run_measured([str(quant), "--allow-requantize", str(gguf_path), str(q), ft], nice=nice)
+        rows.append(Row(model, "gguf", recipe, "upstream", n, s2.seconds, s2.peak_rss_mb, q.stat().st_size / 1e6, [s2]))
+        q.unlink()
+    return rows
+
+
+def to_markdown(rows: list[Row], meta: dict) -> str:
+    lines = ["# Conversion benchmark: rq-convert vs convert_hf_to_gguf + llama-quantize", "",
+             f"`{meta['command']}` on {meta['machine']} ({meta['cpus']} CPUs), {meta['date']}.",
+             "Throughput = source weights / wall seconds of the whole path (both upstream steps for HF input);",
+             "peak RSS = the largest of the path's processes. Upstream: `convert_hf_to_gguf.py --outtype f16` then",
+             "`llama-quantize` to rotaryquant->Q4_K_M, itq3/rotaryquant-itq3->ITQ3_S, q8_0->Q8_0 (GGUF input:",
+             "`llama-quantize --allow-requantize` alone).", "",
+             "| model | input | recipe | path | M weights | seconds | M weights/s | peak RSS MB | output MB |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r.model} | {r.source} | {r.recipe} | {r.path} | {r.weights / 1e6:.1f} | {r.seconds:.1f} | "
+                     f"{r.mw_per_s:.2f} | {r.peak_rss_mb:.0f} | {r.output_mb:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rotaryquant.converter.bench", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3", help="comma list: smollm2 (HF and GGUF input), gemma3 (GGUF input)")
+    ap.add_argument("--recipes", default="rotaryquant,itq3,rotaryquant-itq3", help="comma list of recipes")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the first N layers of SmolLM2 (quick runs)")
+    ap.add_argument("--inputs", default="hf,gguf", help="which input paths to measure for SmolLM2")
+    ap.add_argument("--tiny", action="store_true", help="smoke run: SmolLM2 with 2 layers, one recipe, HF input only")
+    ap.add_argument("--out-dir", type=Path, default=paths.REPO / "docs" / "results", help="where the json/md go")
+    ap.add_argument("--work-dir", type=Path, default=None, help="scratch folder (default: a temp dir)")
+    ap.add_argument("--nice", type=int, default=0, help="run the measured processes at this niceness")
+    args = ap.parse_args(argv)
+    from rotaryquant import assets
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    inputs = [i.strip() for i in args.inputs.split(",") if i.strip()]
+    layers = args.layers
+    if args.tiny:
+        models, recipes, inputs, layers = ["smollm2"], recipes[:1], ["hf"], 2
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="rq-convert-bench-", dir=args.work_dir) as td:
+        work = Path(td)
+        for m in models:
+            if m == "smollm2":
+                src = assets.model_path("smollm2-135m")
+                name = "smollm2-135m" + (f"-{layers}L" if layers else "")
+                if "hf" in inputs:
+                    # built in a child: a fork inherits the parent's RSS high-water mark (Linux keeps
+                    # it across exec), so the parent must stay small for the peak-RSS numbers
+                    folder = work / "smollm2-hf"
+                    subprocess.run([sys.executable, "-c", "import sys; from rotaryquant.converter.rebuild import "
+                                    "smollm2_hf_folder as f; f(sys.argv[1], sys.argv[2], n_layers="
+                                    f"{layers!r})", str(src), str(folder)], check=True)
+                    rows += bench_hf(name, folder, recipes, work, args.nice)
+                if "gguf" in inputs and not layers:
+                    rows += bench_gguf("smollm2-135m-q4_1", src, recipes, work, args.nice)
+            elif m == "gemma3":
+                rows += bench_gguf("gemma3-270m-q4_k_m", assets.model_path("gemma3-270m"), recipes, work, args.nice)
+            else:
+                ap.error(f"unknown model {m!r}")
+    meta = {"command": "python -m rotaryquant.converter.bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "machine": platform.machine(), "cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "convert-bench.json").write_text(json.dumps(
+        {"meta": meta, "rows": [{**asdict(r), "mw_per_s": r.mw_per_s} for r in rows]}, indent=2))
+    md = to_markdown(rows, meta)
+    (args.out_dir / "convert-bench.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

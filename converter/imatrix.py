@@ -1,0 +1,58 @@
+"""llama.cpp importance matrices (the GGUF files llama-imatrix writes).
+
+Per weight tensor ``NAME`` the file holds ``NAME.in_sum2`` (F32, ne = [n_per_row, n_mat]: summed squared
+activations per input column, one row per expert) and ``NAME.counts`` (F32, ne = [1, n_mat]: tokens seen).
+llama-quantize divides one by the other (a matrix that saw no token gets all ones); so does this loader,
+giving ``{NAME: array (n_mat, n_per_row)}`` ready for the quantisers and the activation-kurtosis rule.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from rotaryquant.converter.errors import ConvertError
+
+
+def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConvertError(f"imatrix {p} does not exist", fix="pass the GGUF file llama-imatrix wrote (-o FILE)")
+    try:
+        r = GGUFReader(p)
+    except Exception as e:  # noqa: BLE001 (any parse failure is the same user error)
+        raise ConvertError(f"imatrix {p} is not a readable GGUF file ({e})",
+                           fix="pass the GGUF file llama-imatrix writes (the legacy .dat format is not supported)") from None
+    sums: dict[str, np.ndarray] = {}
+    counts: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        if t.tensor_type != GGMLQuantizationType.F32:
+            raise ConvertError(f"imatrix {p}: tensor {t.name} is {t.tensor_type.name}, expected F32")
+        a = np.asarray(t.data, dtype=np.float32).reshape(tuple(int(n) for n in reversed(t.shape)))
+        if t.name.endswith(".in_sum2"):
+            sums[t.name[:-len(".in_sum2")]] = a.reshape(-1, a.shape[-1])
+        elif t.name.endswith(".counts"):
+            counts[t.name[:-len(".counts")]] = a.reshape(-1)
+    if not sums:
+        raise ConvertError(f"imatrix {p} holds no *.in_sum2 tensors", fix="is it an imatrix file from llama-imatrix?")
+    out: dict[str, np.ndarray] = {}
+    for name, s in sums.items():
+        c = counts.get(name)
+        if c is None or c.size != s.shape[0]:
+            raise ConvertError(f"imatrix {p}: {name} has sums for {s.shape[0]} matrices but "
+                               f"{'no' if c is None else c.size} counts")
+        c = np.round(c).astype(np.float32)[:, None]
+        out[name] = np.where(c > 0, s / np.where(c > 0, c, 1), 1.0).astype(np.float32)
+    return out
+
+
+def check_shape(imatrix: np.ndarray, name: str, shape: tuple[int, ...]) -> None:
+    """The importance rows must match the tensor's columns and its number of matrices (experts)."""
+    n_mat = int(np.prod(shape[:-2])) if len(shape) > 2 else 1
+    if imatrix.shape[-1] != shape[-1] or imatrix.shape[0] not in (1, n_mat):
+        raise ConvertError(f"imatrix entry for {name} has shape {imatrix.shape}, the tensor has {n_mat} "
+                           f"matri{'x' if n_mat == 1 else 'ces'} of {shape[-1]} columns",
+                           fix="was the imatrix computed on this model?")
