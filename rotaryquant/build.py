@@ -24,6 +24,7 @@ import tarfile
 import tempfile
 import time
 import tomllib
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -439,6 +440,46 @@ def link_libraries(flavour: str) -> None:
 # --------------------------------------------------------------------------------------------
 # commands
 
+CUBLAS_PIN = "nvidia-cublas==13.1.1.3"  # cu13, matches nvcc 13.0 (docs/cuda.md)
+
+
+def cuda_cmake_args() -> list[str]:
+    """-DGGML_CUDA=ON extras: sm_90 unless RQ_CUDA_ARCHS, no libcuda, cuBLAS from the pinned wheel when the
+    toolkit lacks it (this machine's CUDA has cudart only)."""
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        raise SetupError("--cuda needs nvcc (CUDA 13); install the CUDA toolkit or put nvcc on PATH")
+    args = [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('RQ_CUDA_ARCHS', '90')}",
+            "-DGGML_CUDA_NO_VMM=ON"]
+    root = Path(nvcc).resolve().parent.parent
+    if (root / "include" / "cublas_v2.h").exists() and any((root / "lib64").glob("libcublas.so*")):
+        return args
+    deps = paths.build_dir() / "cuda-deps"
+    lib = deps / "lib"
+    if not (deps / "include" / "cublas_v2.h").exists() or not (lib / "libcublasLt.so").exists():
+        log(f"fetching cuBLAS ({CUBLAS_PIN}) into {deps}")
+        wheel_dir = deps / "wheel"
+        shutil.rmtree(wheel_dir, ignore_errors=True)
+        pip("download", "-q", "--no-deps", "--only-binary=:all:", "-d", str(wheel_dir), CUBLAS_PIN,
+            what=f"pip download {CUBLAS_PIN}")
+        with zipfile.ZipFile(next(wheel_dir.glob("nvidia_cublas-*.whl"))) as z:
+            for m in z.namelist():
+                for sub in ("include", "lib"):
+                    pre = f"nvidia/cu13/{sub}/"
+                    if m.startswith(pre) and not m.endswith("/"):
+                        out = deps / sub / m[len(pre):]
+                        out.parent.mkdir(parents=True, exist_ok=True)
+                        with z.open(m) as src, open(out, "wb") as dst:
+                            shutil.copyfileobj(src, dst)
+        shutil.rmtree(wheel_dir)
+        for name in ("libcublas", "libcublasLt"):
+            (lib / f"{name}.so").unlink(missing_ok=True)
+            (lib / f"{name}.so").symlink_to(f"{name}.so.13")
+    return args + [f"-DCUDA_cublas_LIBRARY={lib / 'libcublas.so'}",
+                   f"-DCUDA_cublasLt_LIBRARY={lib / 'libcublasLt.so'}",
+                   f"-DCMAKE_CUDA_FLAGS=-I{deps / 'include'}"]
+
+
 def cmd_setup(ns: argparse.Namespace) -> None:
     check_tools()
     ensure_ccache()
@@ -451,7 +492,7 @@ def cmd_setup(ns: argparse.Namespace) -> None:
     extra = list(ns.cmake_arg or [])
     targets = TARGETS
     if ns.cuda:
-        extra += ["-DGGML_CUDA=ON"]
+        extra += ["-DGGML_CUDA=ON", *cuda_cmake_args()]
         targets = TARGETS + CUDA_TARGETS
     configure_and_build(ns.flavour or ("cuda" if ns.cuda else "cpu"), extra, ns.jobs, targets)
     install_python(ns.flavour or ("cuda" if ns.cuda else "cpu"))

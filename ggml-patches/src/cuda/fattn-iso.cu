@@ -1,0 +1,709 @@
+// Fused IsoQuant flash attention on CUDA: FLASH_ATTN_EXT with ISOQUANT3_0 K and/or V (the other side
+// F16 or Q8_0), head sizes 128 and 256, any n_kv, any batch, GQA, mask, ALiBi, softcap and sinks.
+// Nothing is converted to F16: packed K/V are read as they are stored.
+//
+//   k.q            = sum_b d_b * <c[idx_b], (R q)_b>          -> Q is rotated once per (row, head), keys
+//                                                               are scored straight from the codebook
+//   sum_j p_j v_j  = R^T sum_j p_j d_j c[idx_j]               -> V is accumulated in the rotated domain,
+//                                                               R^T applied once per output row
+//
+// Grid: x = tiles of NC query columns (a column is one (query row, head) pair; the g = n_head/n_head_kv
+// heads that share a KV head are neighbouring columns, so one block reads each packed K/V row once for
+// all of them), y = KV head x sequence, z = KV splits. 128 threads walk the KV range in tiles of 128 rows:
+//   1. stage: the packed rows of the tile are copied to shared memory (coalesced 16-bit loads)
+//   2. score: thread t scores KV row t against all NC columns (no cross-lane reductions)
+//   3. online softmax per column (one warp per column), then the V tile is staged
+//   4. accumulate: lane l of every warp owns values 4l..4l+3 of each 128-block (one SO(4) group), the
+//      4 warps take every 4th row; probabilities come from shared memory
+// Each (column, split) writes the un-normalised rotated accumulator, its max and its sum; a second kernel
+// merges the splits, adds the sink, normalises, applies R^T (one warp per output row) and writes dst.
+
+#include "rq-impl.cuh"
+#include "rq-device.cuh"
+
+#include <atomic>
+
+#define RQ_FA_NWARPS   4
+#define RQ_FA_NTHREADS (RQ_FA_NWARPS*WARP_SIZE)
+#define RQ_FA_TILE     RQ_FA_NTHREADS // KV rows per tile: one per thread when scoring
+
+struct rq_fa_params {
+    const char  * Q;
+    const char  * K;
+    const char  * V;
+    const half  * mask;
+    float       * part_vkq; // [nsplit][nrows][D]: un-normalised accumulators (rotated domain for ISO V)
+    float2      * part_ms;  // [nsplit][nrows]: (max, sum)
+
+    int64_t nbq1, nbq2, nbq3;
+    int64_t nbk1, nbk2, nbk3;
+    int64_t nbv1, nbv2, nbv3;
+    int64_t nbm1, nbm2, nbm3;
+    int     ne_m2, ne_m3;
+
+    int     N;         // query rows per head
+    int     n_head;
+    int     gqa;       // n_head / n_head_kv
+    int     n_head_kv;
+    int     n_kv;
+    int     kv_chunk;  // KV rows per split, a multiple of RQ_FA_TILE
+    int     nrows;     // N * n_head * ne3 output rows
+
+    float   scale;     // scale / softcap when softcap != 0 (folded into Q)
+    float   softcap;
+    float   max_bias, m0, m1;
+    int     n_head_log2;
+
+    int     type_k;    // the non-ISO side: F16 or Q8_0
+    int     type_v;
+    int     variant;   // ggml_rq_iso_variant of the rotation applied to Q
+};
+
+// ---------------------------------------------------------------------------------------------
+// device pieces
+
+// copy the packed ISOQUANT3_0 rows kv0.. of one head into shared memory: per row and 128-block the 48
+// index bytes as 12 words (row stride SW words, odd, so that per-row reads are conflict free) and the scale
+template <int NB, int SW>
+static __device__ __forceinline__ void rq_fa_stage(const char * __restrict__ base, const int64_t nb1, const int kv0, const int kv_end,
+                                                   uint32_t * __restrict__ stage, float * __restrict__ dsh) {
+    const int lane = threadIdx.x;
+    for (int r = threadIdx.y; r < RQ_FA_TILE; r += RQ_FA_NWARPS) {
+        const int kv = kv0 + r;
+        if (kv >= kv_end) {
+            break;
+        }
+        const uint16_t * src = (const uint16_t *) (base + (int64_t) kv*nb1);
+        uint16_t * dst16 = (uint16_t *) (stage + r*SW);
+        for (int u = lane; u < NB*25; u += WARP_SIZE) {
+            const int b = u / 25;
+            const int k = u - 25*b;
+            const uint16_t val = src[u];
+            if (k == 0) {
+                dsh[r*NB + b] = __half2float(__ushort_as_half(val));
+            } else {
+                dst16[24*b + k - 1] = val;
+            }
+        }
+    }
+}
+
+// index k (0..31) of 32 consecutive 3-bit indices packed in w[0..2]
+static __device__ __forceinline__ int rq_idx3(const uint32_t w[3], const int k) {
+    const int bit = 3*k;
+    const int wi  = bit >> 5;
+    const int sh  = bit & 31;
+    uint32_t v = w[wi] >> sh;
+    if (sh > 29) {
+        v |= w[wi + 1] << (32 - sh);
+    }
+    return v & 7;
+}
+
+// one element of a non-ISO K/V row
+static __device__ __forceinline__ float rq_fa_load(const char * __restrict__ row, const int type, const int i) {
+    if (type == GGML_TYPE_F16) {
+        return __half2float(((const half *) row)[i]);
+    }
+    const block_q8_0 * b = (const block_q8_0 *) row + i/QK8_0;
+    return __half2float(b->d)*(float) b->qs[i % QK8_0];
+}
+
+template <int D, int NC, bool K_ISO, bool V_ISO>
+__launch_bounds__(RQ_FA_NTHREADS, 1)
+static __global__ void k_rq_fattn(const rq_fa_params p) {
+    constexpr int NB  = D/QK_ISO;   // 128-blocks per row
+    constexpr int EPL = 4*NB;       // accumulator values per lane and column
+    constexpr int SW  = 12*NB + 1;  // staged words per row
+
+    __shared__ __align__(16) float Qs[NC][D];
+    __shared__ float    KQ[RQ_FA_TILE][NC];
+    __shared__ uint32_t stage[RQ_FA_TILE*SW];
+    __shared__ float    dsh[RQ_FA_TILE*NB];
+    __shared__ float    M_sh[NC], S_sh[NC], ms_sh[NC];
+    __shared__ float    cb_sh[8];
+
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int tid  = warp*WARP_SIZE + lane;
+
+    const int f0  = blockIdx.x*NC;
+    const int ik2 = blockIdx.y % p.n_head_kv;
+    const int i3  = blockIdx.y / p.n_head_kv;
+    const int ncols_total = p.N*p.gqa;
+
+    const char * K = p.K + ik2*p.nbk2 + i3*p.nbk3;
+    const char * V = p.V + ik2*p.nbv2 + i3*p.nbv3;
+
+    // per column: validity, mask row, ALiBi slope
+    bool         cvalid[NC];
+    const half * mrow[NC];
+    float        slope[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        const int f   = f0 + c;
+        cvalid[c]     = f < ncols_total;
+        const int iq1 = cvalid[c] ? f / p.gqa : 0;
+        const int h   = ik2*p.gqa + (cvalid[c] ? f % p.gqa : 0);
+        mrow[c] = p.mask ? (const half *) ((const char *) p.mask + iq1*p.nbm1 + (h % p.ne_m2)*p.nbm2 + (i3 % p.ne_m3)*p.nbm3) : nullptr;
+        slope[c] = 1.0f;
+        if (p.max_bias > 0.0f) {
+            slope[c] = h < p.n_head_log2 ? powf(p.m0, h + 1) : powf(p.m1, 2*(h - p.n_head_log2) + 1);
+        }
+    }
+
+    // 0. Q * scale, rotated by R for ISO K (once per column and block)
+    for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
+        const int  f     = f0 + c;
+        const bool valid = f < ncols_total;
+        const int  iq1   = valid ? f / p.gqa : 0;
+        const int  h     = ik2*p.gqa + (valid ? f % p.gqa : 0);
+        const float * q  = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + i3*p.nbq3);
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+            float v[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+            if (valid) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    v[e] = q[b*QK_ISO + 4*lane + e]*p.scale;
+                }
+            }
+            if constexpr (K_ISO) {
+                rq_iso_rotate_warp(v, p.variant);
+            }
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                Qs[c][b*QK_ISO + 4*lane + e] = v[e];
+            }
+        }
+    }
+    if (tid < 8) {
+        cb_sh[tid] = iq3_codebook[tid];
+    }
+    if (tid < NC) {
+        M_sh[tid] = -INFINITY;
+        S_sh[tid] = 0.0f;
+    }
+
+    float acc[NC][EPL];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            acc[c][k] = 0.0f;
+        }
+    }
+
+    const int kv_begin = blockIdx.z*p.kv_chunk;
+    const int kv_end   = min(p.n_kv, kv_begin + p.kv_chunk);
+
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += RQ_FA_TILE) {
+        // mask of this thread's row; a tile no column can see is skipped as a whole (causal prefill)
+        const int  kv    = kv0 + tid;
+        const bool in    = kv < kv_end;
+        float mv[NC];
+        bool  row_any = false;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            mv[c] = -INFINITY;
+            if (in && cvalid[c]) {
+                mv[c] = mrow[c] ? slope[c]*__half2float(mrow[c][kv]) : 0.0f;
+            }
+            row_any = row_any || mv[c] != -INFINITY;
+        }
+        // also the barrier that protects KQ/stage from the previous tile's readers
+        if (!__syncthreads_or(row_any)) {
+            continue;
+        }
+
+        // 1. stage K
+        if constexpr (K_ISO) {
+            rq_fa_stage<NB, SW>(K, p.nbk1, kv0, kv_end, stage, dsh);
+            __syncthreads();
+        }
+
+        // 2. scores
+        float s[NC];
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            s[c] = -INFINITY;
+        }
+        if (row_any) {
+            float dot[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                dot[c] = 0.0f;
+            }
+            if constexpr (K_ISO) {
+                const uint32_t * wrow = stage + tid*SW;
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    float db[NC];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        db[c] = 0.0f;
+                    }
+#pragma unroll
+                    for (int ch = 0; ch < 4; ++ch) {
+                        const uint32_t w[3] = { wrow[12*b + 3*ch + 0], wrow[12*b + 3*ch + 1], wrow[12*b + 3*ch + 2] };
+#pragma unroll
+                        for (int k = 0; k < 32; k += 4) {
+                            const float c0 = cb_sh[rq_idx3(w, k + 0)];
+                            const float c1 = cb_sh[rq_idx3(w, k + 1)];
+                            const float c2 = cb_sh[rq_idx3(w, k + 2)];
+                            const float c3 = cb_sh[rq_idx3(w, k + 3)];
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) {
+                                const float4 q4 = *(const float4 *) &Qs[c][b*QK_ISO + 32*ch + k];
+                                db[c] += c0*q4.x + c1*q4.y + c2*q4.z + c3*q4.w;
+                            }
+                        }
+                    }
+                    const float dk = dsh[tid*NB + b];
+#pragma unroll
+                    for (int c = 0; c < NC; ++c) {
+                        dot[c] += dk*db[c];
+                    }
+                }
+            } else {
+                const char * krow = K + (int64_t) kv*p.nbk1;
+                if (p.type_k == GGML_TYPE_F16) {
+                    const half2 * k2 = (const half2 *) krow;
+#pragma unroll 4
+                    for (int i = 0; i < D/2; ++i) {
+                        const float2 kf = __half22float2(k2[i]);
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) {
+                            dot[c] += kf.x*Qs[c][2*i] + kf.y*Qs[c][2*i + 1];
+                        }
+                    }
+                } else {
+                    const block_q8_0 * kb = (const block_q8_0 *) krow;
+                    for (int ib = 0; ib < D/QK8_0; ++ib) {
+                        float db[NC];
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) {
+                            db[c] = 0.0f;
+                        }
+#pragma unroll 8
+                        for (int j = 0; j < QK8_0; ++j) {
+                            const float kq = (float) kb[ib].qs[j];
+#pragma unroll
+                            for (int c = 0; c < NC; ++c) {
+                                db[c] += kq*Qs[c][ib*QK8_0 + j];
+                            }
+                        }
+                        const float dk = __half2float(kb[ib].d);
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) {
+                            dot[c] += dk*db[c];
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                float x = dot[c];
+                if (p.softcap != 0.0f) {
+                    x = p.softcap*tanhf(x);
+                }
+                s[c] = mv[c] == -INFINITY ? -INFINITY : x + mv[c];
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            KQ[tid][c] = s[c];
+        }
+        __syncthreads();
+
+        // 3. online softmax, one warp per column; then stage V (K's staged rows are no longer read)
+        for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
+            float mx = -INFINITY;
+            for (int r = lane; r < RQ_FA_TILE; r += WARP_SIZE) {
+                mx = fmaxf(mx, KQ[r][c]);
+            }
+            mx = warp_reduce_max(mx);
+            const float Mold = M_sh[c];
+            const float Mnew = fmaxf(Mold, mx);
+            float ms  = 1.0f;
+            float sum = 0.0f;
+            if (Mnew == -INFINITY) {
+                for (int r = lane; r < RQ_FA_TILE; r += WARP_SIZE) {
+                    KQ[r][c] = 0.0f;
+                }
+            } else {
+                ms = Mold == -INFINITY ? 0.0f : expf(Mold - Mnew);
+                for (int r = lane; r < RQ_FA_TILE; r += WARP_SIZE) {
+                    const float x  = KQ[r][c];
+                    const float pr = x == -INFINITY ? 0.0f : expf(x - Mnew);
+                    KQ[r][c] = pr;
+                    sum += pr;
+                }
+            }
+            sum = warp_reduce_sum(sum);
+            if (lane == 0) {
+                M_sh[c]  = Mnew;
+                S_sh[c]  = S_sh[c]*ms + sum;
+                ms_sh[c] = ms;
+            }
+        }
+        if constexpr (V_ISO) {
+            rq_fa_stage<NB, SW>(V, p.nbv1, kv0, kv_end, stage, dsh);
+        }
+        __syncthreads();
+
+        // 4. accumulate p * V (rotated domain for ISO V)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            const float ms = ms_sh[c];
+#pragma unroll
+            for (int k = 0; k < EPL; ++k) {
+                acc[c][k] *= ms;
+            }
+        }
+        for (int r = warp; r < RQ_FA_TILE && kv0 + r < kv_end; r += RQ_FA_NWARPS) {
+            float pr[NC];
+            bool  nz = false;
+#pragma unroll
+            for (int c = 0; c < NC; ++c) {
+                pr[c] = KQ[r][c];
+                nz = nz || pr[c] != 0.0f;
+            }
+            if (!nz) {
+                continue; // masked for every column (same r for the whole warp)
+            }
+            if constexpr (V_ISO) {
+                const uint32_t * wrow = stage + r*SW;
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+                    const int bit = 12*lane;
+                    const int wi  = bit >> 5;
+                    const int sh  = bit & 31;
+                    uint32_t bits = wrow[12*b + wi] >> sh;
+                    if (sh > 20) {
+                        bits |= wrow[12*b + wi + 1] << (32 - sh);
+                    }
+                    const float dv = dsh[r*NB + b];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float val = dv*cb_sh[(bits >> (3*e)) & 7];
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) {
+                            acc[c][4*b + e] += pr[c]*val;
+                        }
+                    }
+                }
+            } else {
+                const char * vrow = V + (int64_t) (kv0 + r)*p.nbv1;
+#pragma unroll
+                for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float val = rq_fa_load(vrow, p.type_v, b*QK_ISO + 4*lane + e);
+#pragma unroll
+                        for (int c = 0; c < NC; ++c) {
+                            acc[c][4*b + e] += pr[c]*val;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    // merge the 4 warps' accumulators and write this split's partial result of every column
+    __syncthreads();
+    float * red = (float *) stage; // [RQ_FA_NWARPS][D]
+    static_assert(RQ_FA_TILE*SW >= RQ_FA_NWARPS*D, "reduction buffer too small");
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+        if (!cvalid[c]) {
+            break; // valid columns come first
+        }
+        const int f   = f0 + c;
+        const int iq1 = f / p.gqa;
+        const int h   = ik2*p.gqa + f % p.gqa;
+        const int64_t row = ((int64_t) i3*p.N + iq1)*p.n_head + h;
+        const int64_t off = (int64_t) blockIdx.z*p.nrows + row;
+#pragma unroll
+        for (int b = 0; b < NB; ++b) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                red[warp*D + b*QK_ISO + 4*lane + e] = acc[c][4*b + e];
+            }
+        }
+        __syncthreads();
+        for (int i = tid; i < D; i += RQ_FA_NTHREADS) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < RQ_FA_NWARPS; ++w) {
+                sum += red[w*D + i];
+            }
+            p.part_vkq[off*D + i] = sum;
+        }
+        if (tid == 0) {
+            p.part_ms[off] = make_float2(M_sh[c], S_sh[c]);
+        }
+        __syncthreads();
+    }
+}
+
+// merge the splits, add the sink, normalise, R^T (ISO V) and write dst[DV, n_head, N, ne3]; one warp per row
+template <int D, bool V_ISO>
+__launch_bounds__(RQ_FA_NTHREADS, 1)
+static __global__ void k_rq_fattn_combine(const float * __restrict__ part_vkq, const float2 * __restrict__ part_ms,
+        const float * __restrict__ sinks, char * __restrict__ dst, const int nrows, const int nsplit,
+        const int N, const int n_head, const int64_t nb1, const int64_t nb2, const int64_t nb3,
+        const int variant, const bool unrotate) {
+    constexpr int NB = D/QK_ISO;
+    const int row = blockIdx.x*RQ_FA_NWARPS + threadIdx.y;
+    if (row >= nrows) {
+        return;
+    }
+    const int lane = threadIdx.x;
+    const int h    = row % n_head;
+    const int t    = row / n_head;
+    const int iq1  = t % N;
+    const int i3   = t / N;
+
+    float M = -INFINITY;
+    for (int z = 0; z < nsplit; ++z) {
+        M = fmaxf(M, part_ms[(int64_t) z*nrows + row].x);
+    }
+    const float sink = sinks ? sinks[h] : -INFINITY;
+    const float Mf   = fmaxf(M, sink);
+
+    float o[NB][4];
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            o[b][e] = 0.0f;
+        }
+    }
+    float S = 0.0f;
+    if (Mf != -INFINITY) {
+        for (int z = 0; z < nsplit; ++z) {
+            const int64_t off = (int64_t) z*nrows + row;
+            const float2  ms  = part_ms[off];
+            if (ms.x == -INFINITY) {
+                continue;
+            }
+            const float w = expf(ms.x - Mf);
+            S += w*ms.y;
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    o[b][e] += w*part_vkq[off*D + b*QK_ISO + 4*lane + e];
+                }
+            }
+        }
+        if (sinks) {
+            S += expf(sink - Mf);
+        }
+    }
+    const float inv = S == 0.0f ? 0.0f : 1.0f/S;
+
+    float * y = (float *) (dst + h*nb1 + iq1*nb2 + i3*nb3);
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            o[b][e] *= inv;
+        }
+        if constexpr (V_ISO) {
+            if (unrotate) {
+                rq_iso_rotate_inv_warp(o[b], variant);
+            }
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            y[b*QK_ISO + 4*lane + e] = o[b][e];
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// host
+
+static std::atomic<uint64_t> rq_fa_cuda_calls{0};
+
+static bool rq_fa_other_type_ok(const ggml_tensor * t) {
+    if (t->type == GGML_TYPE_F16) {
+        return t->nb[1] % 4 == 0 && t->nb[2] % 4 == 0 && t->nb[3] % 4 == 0; // half2 loads
+    }
+    return t->type == GGML_TYPE_Q8_0;
+}
+
+bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst) {
+    GGML_UNUSED(device);
+    const ggml_tensor * Q     = dst->src[0];
+    const ggml_tensor * K     = dst->src[1];
+    const ggml_tensor * V     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[4];
+
+    const bool k_iso = K->type == GGML_TYPE_ISOQUANT3_0;
+    const bool v_iso = V->type == GGML_TYPE_ISOQUANT3_0;
+    if (!k_iso && !v_iso) {
+        return false;
+    }
+    if ((!k_iso && !rq_fa_other_type_ok(K)) || (!v_iso && !rq_fa_other_type_ok(V))) {
+        return false;
+    }
+    const int64_t D = K->ne[0];
+    if ((D != 128 && D != 256) || V->ne[0] != D || Q->ne[0] != D) {
+        return false;
+    }
+    if (Q->type != GGML_TYPE_F32 || Q->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32) {
+        return false;
+    }
+    if (K->ne[2] == 0 || Q->ne[2] % K->ne[2] != 0 || V->ne[2] != K->ne[2] || K->ne[1] != V->ne[1] ||
+        K->ne[3] != Q->ne[3] || V->ne[3] != Q->ne[3]) {
+        return false;
+    }
+    if (mask && (mask->type != GGML_TYPE_F16 || mask->ne[0] < K->ne[1] || mask->ne[1] < Q->ne[1] ||
+                 Q->ne[2] % mask->ne[2] != 0 || Q->ne[3] % mask->ne[3] != 0)) {
+        return false;
+    }
+    if (sinks && (sinks->type != GGML_TYPE_F32 || sinks->ne[0] < Q->ne[2])) {
+        return false;
+    }
+    if (K->ne[1] >= INT32_MAX || Q->ne[1]*Q->ne[2]*Q->ne[3] >= INT32_MAX || K->ne[2]*K->ne[3] > 65535) {
+        return false;
+    }
+    return true;
+}
+
+template <int D, int NC, bool K_ISO, bool V_ISO>
+static void rq_fa_launch_main(const rq_fa_params & p, const dim3 grid, cudaStream_t stream) {
+    k_rq_fattn<D, NC, K_ISO, V_ISO><<<grid, dim3(WARP_SIZE, RQ_FA_NWARPS, 1), 0, stream>>>(p);
+}
+
+template <int D, int NC>
+static void rq_fa_launch_kv(const rq_fa_params & p, const bool k_iso, const bool v_iso, const dim3 grid, cudaStream_t stream) {
+    if (k_iso && v_iso) {
+        rq_fa_launch_main<D, NC, true, true>(p, grid, stream);
+    } else if (k_iso) {
+        rq_fa_launch_main<D, NC, true, false>(p, grid, stream);
+    } else {
+        rq_fa_launch_main<D, NC, false, true>(p, grid, stream);
+    }
+}
+
+template <int D>
+static void rq_fa_launch_nc(const rq_fa_params & p, const int nc, const bool k_iso, const bool v_iso, const dim3 grid, cudaStream_t stream) {
+    switch (nc) {
+        case 1: rq_fa_launch_kv<D, 1>(p, k_iso, v_iso, grid, stream); break;
+        case 4: rq_fa_launch_kv<D, 4>(p, k_iso, v_iso, grid, stream); break;
+        case 8: rq_fa_launch_kv<D, 8>(p, k_iso, v_iso, grid, stream); break;
+        default: GGML_ABORT("%s: %d columns", __func__, nc);
+    }
+}
+
+void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * Q     = dst->src[0];
+    const ggml_tensor * K     = dst->src[1];
+    const ggml_tensor * V     = dst->src[2];
+    const ggml_tensor * mask  = dst->src[3];
+    const ggml_tensor * sinks = dst->src[4];
+
+    GGML_ASSERT(ggml_rq_cuda_fattn_supported(ctx.device, dst));
+
+    const bool k_iso = K->type == GGML_TYPE_ISOQUANT3_0;
+    const bool v_iso = V->type == GGML_TYPE_ISOQUANT3_0;
+    const int  D     = (int) K->ne[0];
+
+    float scale, max_bias, softcap;
+    memcpy(&scale,    (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias, (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&softcap,  (const float *) dst->op_params + 2, sizeof(float));
+
+    rq_fa_params p = {};
+    p.Q    = (const char *) Q->data;
+    p.K    = (const char *) K->data;
+    p.V    = (const char *) V->data;
+    p.mask = mask ? (const half *) mask->data : nullptr;
+    p.nbq1 = Q->nb[1]; p.nbq2 = Q->nb[2]; p.nbq3 = Q->nb[3];
+    p.nbk1 = K->nb[1]; p.nbk2 = K->nb[2]; p.nbk3 = K->nb[3];
+    p.nbv1 = V->nb[1]; p.nbv2 = V->nb[2]; p.nbv3 = V->nb[3];
+    if (mask) {
+        p.nbm1  = mask->nb[1]; p.nbm2 = mask->nb[2]; p.nbm3 = mask->nb[3];
+        p.ne_m2 = (int) mask->ne[2];
+        p.ne_m3 = (int) mask->ne[3];
+    } else {
+        p.ne_m2 = 1;
+        p.ne_m3 = 1;
+    }
+    p.N         = (int) Q->ne[1];
+    p.n_head    = (int) Q->ne[2];
+    p.n_head_kv = (int) K->ne[2];
+    p.gqa       = p.n_head / p.n_head_kv;
+    p.n_kv      = (int) K->ne[1];
+    p.nrows     = (int) (Q->ne[1]*Q->ne[2]*Q->ne[3]);
+    p.softcap   = softcap;
+    p.scale     = softcap != 0.0f ? scale/softcap : scale;
+    p.max_bias  = max_bias;
+    p.n_head_log2 = 1 << (int) floorf(log2f((float) p.n_head));
+    p.m0        = powf(2.0f, -(max_bias       )/p.n_head_log2);
+    p.m1        = powf(2.0f, -(max_bias/2.0f)/p.n_head_log2);
+    p.type_k    = K->type;
+    p.type_v    = V->type;
+    p.variant   = (int) ggml_rq_iso_get_variant();
+
+    // columns per block, and KV splits until the grid covers the GPU about twice
+    const int64_t ncols = (int64_t) p.N*p.gqa;
+    const int     nc    = ncols <= 1 ? 1 : ncols <= 4 ? 4 : 8;
+    const int64_t ntile = (ncols + nc - 1)/nc;
+    const int64_t nbase = ntile*K->ne[2]*K->ne[3];
+    const int64_t nkvt  = std::max<int64_t>(1, (p.n_kv + RQ_FA_TILE - 1)/RQ_FA_TILE);
+    const int     nsm   = ggml_cuda_info().devices[ctx.device].nsm;
+    int64_t nsplit = std::min<int64_t>(nkvt, std::max<int64_t>(1, (2*nsm + nbase - 1)/nbase));
+    const int64_t tiles_per_split = (nkvt + nsplit - 1)/nsplit;
+    nsplit     = (nkvt + tiles_per_split - 1)/tiles_per_split;
+    p.kv_chunk = (int) (tiles_per_split*RQ_FA_TILE);
+    GGML_ASSERT(ntile < INT32_MAX && nsplit <= 65535);
+
+    cudaStream_t stream = ctx.stream();
+    ggml_cuda_pool_alloc<float>  part_vkq(ctx.pool(), (size_t) nsplit*p.nrows*D);
+    ggml_cuda_pool_alloc<float2> part_ms (ctx.pool(), (size_t) nsplit*p.nrows);
+    p.part_vkq = part_vkq.get();
+    p.part_ms  = part_ms.get();
+
+    const dim3 grid((unsigned) ntile, (unsigned) (K->ne[2]*K->ne[3]), (unsigned) nsplit);
+    if (D == 128) {
+        rq_fa_launch_nc<128>(p, nc, k_iso, v_iso, grid, stream);
+    } else {
+        rq_fa_launch_nc<256>(p, nc, k_iso, v_iso, grid, stream);
+    }
+
+    const dim3 grid_c((unsigned) ((p.nrows + RQ_FA_NWARPS - 1)/RQ_FA_NWARPS), 1, 1);
+    const dim3 block_c(WARP_SIZE, RQ_FA_NWARPS, 1);
+    const bool unrotate = !ggml_rq_iso_get_skip_inverse();
+    const float * sinks_d = sinks ? (const float *) sinks->data : nullptr;
+
+#define RQ_COMBINE_ARGS p.part_vkq, p.part_ms, sinks_d, (char *) dst->data, p.nrows, (int) nsplit, p.N, p.n_head, \
+    (int64_t) dst->nb[1], (int64_t) dst->nb[2], (int64_t) dst->nb[3], p.variant, unrotate
+
+    if (D == 128) {
+        if (v_iso) {
+            k_rq_fattn_combine<128, true ><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        } else {
+            k_rq_fattn_combine<128, false><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        }
+    } else {
+        if (v_iso) {
+            k_rq_fattn_combine<256, true ><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        } else {
+            k_rq_fattn_combine<256, false><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        }
+    }
+#undef RQ_COMBINE_ARGS
+
+    ggml_rq_counter_add(GGML_RQ_ISO_FUSED_CALLS, 1);
+    rq_fa_cuda_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t ggml_rq_cuda_fused_calls(void) {
+    return rq_fa_cuda_calls.load(std::memory_order_relaxed);
+}

@@ -1,0 +1,201 @@
+// RotaryQuant device helpers: the constant tables in device memory and warp-cooperative transforms.
+//
+// Lane layout, used by every kernel here:
+//   ISOQUANT3_0 (128 values): lane l holds v[e] = x[4l + e], e = 0..3, i.e. exactly SO(4) group l.
+//     WHT butterflies of length 1 and 2 stay in the lane, lengths 4..64 pair lane l with l ^ 1..16.
+//   ITQ3_S (256 values):      lane l holds v[e] = x[8l + e], e = 0..7; lengths 1, 2, 4 in the lane,
+//     8..128 across lanes.
+// Every rounding step is spelled with __fadd_rn/__fsub_rn/__fmul_rn (never contracted into an FMA), in
+// the operation order of ggml-rq/isoquant.c and itq3.c. Compiled without -use_fast_math (rq-iso.cu)
+// the results are bit-identical to the C reference; under fast math (denormals flushed) they differ
+// only for subnormal intermediates.
+#pragma once
+
+#include "ggml-cuda/common.cuh"
+#include "ggml-rq.h"
+
+// the generated headers define every table; a file uses only some of them
+#pragma nv_diag_suppress 177
+#include "isoquant-tables.cuh"
+#include "itq3-tables.cuh"
+#pragma nv_diag_default 177
+
+#define RQ_FULL_MASK 0xffffffffu
+
+static_assert(QK_ISO == 4*WARP_SIZE, "one SO(4) group per lane");
+static_assert(QK_ITQ == 8*WARP_SIZE, "8 ITQ3_S values per lane");
+
+static __device__ __forceinline__ int rq_lane() {
+    return threadIdx.x % WARP_SIZE;
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISOQUANT3_0 rotation R = SO4 o WHT o diag(S) (variant v3; v2/v1/none are research switches)
+
+static __device__ __forceinline__ void rq_iso_wht_warp(float v[4]) {
+    const int lane = rq_lane();
+    // len 1: (0,1), (2,3); len 2: (0,2), (1,3)
+    const float a0 = __fadd_rn(v[0], v[1]);
+    const float a1 = __fsub_rn(v[0], v[1]);
+    const float a2 = __fadd_rn(v[2], v[3]);
+    const float a3 = __fsub_rn(v[2], v[3]);
+    v[0] = __fadd_rn(a0, a2);
+    v[2] = __fsub_rn(a0, a2);
+    v[1] = __fadd_rn(a1, a3);
+    v[3] = __fsub_rn(a1, a3);
+    // len 4, 8, ..., 64: element j of the lower lane pairs with j of lane ^ m; lower: a + b, upper: a - b
+#pragma unroll
+    for (int m = 1; m < WARP_SIZE; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float p = __shfl_xor_sync(RQ_FULL_MASK, v[e], m);
+            v[e] = upper ? __fsub_rn(p, v[e]) : __fadd_rn(v[e], p);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v[e] = __fmul_rn(v[e], iq3_wht_scale);
+    }
+}
+
+// y = M u (row-major 4x4 of group `lane`), or y = M^T u
+template <bool transpose>
+static __device__ __forceinline__ void rq_iso_block4(const float * M, float v[4]) {
+    float m[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        m[k] = M[k];
+    }
+    float y[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const float m0 = transpose ? m[0*4 + r] : m[r*4 + 0];
+        const float m1 = transpose ? m[1*4 + r] : m[r*4 + 1];
+        const float m2 = transpose ? m[2*4 + r] : m[r*4 + 2];
+        const float m3 = transpose ? m[3*4 + r] : m[r*4 + 3];
+        y[r] = __fadd_rn(__fadd_rn(__fadd_rn(__fmul_rn(m0, v[0]), __fmul_rn(m1, v[1])), __fmul_rn(m2, v[2])), __fmul_rn(m3, v[3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        v[r] = y[r];
+    }
+}
+
+// v <- R v (ggml_rq_iso_rotate); all 32 lanes must take part
+static __device__ __forceinline__ void rq_iso_rotate_warp(float v[4], const int variant) {
+    const int lane = rq_lane();
+    if (variant == GGML_RQ_ISO_V3 || variant == GGML_RQ_ISO_V1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v[e] = __fmul_rn(v[e], iq3_signs[4*lane + e]);
+        }
+        rq_iso_wht_warp(v);
+    }
+    if (variant == GGML_RQ_ISO_V1) {
+        rq_iso_block4<false>(iq3_so3[lane], v);
+    } else if (variant != GGML_RQ_ISO_NONE) {
+        rq_iso_block4<false>(iq3_so4[lane], v);
+    }
+}
+
+// v <- R^T v (ggml_rq_iso_rotate_inv); all 32 lanes must take part
+static __device__ __forceinline__ void rq_iso_rotate_inv_warp(float v[4], const int variant) {
+    const int lane = rq_lane();
+    if (variant == GGML_RQ_ISO_V1) {
+        rq_iso_block4<true>(iq3_so3[lane], v);
+    } else if (variant != GGML_RQ_ISO_NONE) {
+        rq_iso_block4<true>(iq3_so4[lane], v);
+    }
+    if (variant == GGML_RQ_ISO_V3 || variant == GGML_RQ_ISO_V1) {
+        rq_iso_wht_warp(v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            v[e] = __fmul_rn(v[e], iq3_signs[4*lane + e]);
+        }
+    }
+}
+
+// the 12 index bits of lane l (indices 4l..4l+3) of a packed block: group l/2 is the 24-bit word
+// qs[3g] | qs[3g+1] << 8 | qs[3g+2] << 16, the even lane takes its low half
+static __device__ __forceinline__ uint32_t rq_iso_lane_bits(const uint8_t * qs, const int lane) {
+    const uint8_t * p = qs + 3*(lane >> 1);
+    const uint32_t w = p[0] | (uint32_t) p[1] << 8 | (uint32_t) p[2] << 16;
+    return (w >> (12*(lane & 1))) & 0xfff;
+}
+
+// dequantise one block into the lane's 4 values (rotated back to the original domain)
+static __device__ __forceinline__ void rq_iso_dequant_warp(const block_isoquant3_0 * b, float v[4], const int variant) {
+    const int lane = rq_lane();
+    const float    d    = __half2float(b->d);
+    const uint32_t bits = rq_iso_lane_bits(b->qs, lane);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v[e] = __fmul_rn(d, iq3_codebook[(bits >> (3*e)) & 7]);
+    }
+    rq_iso_rotate_inv_warp(v, variant);
+}
+
+// ---------------------------------------------------------------------------------------------
+// ITQ3_S: FWHT256 (normalised, its own inverse), decode of the lane's 8 codes
+
+static __device__ __forceinline__ void rq_fwht256_warp(float v[8]) {
+    const int lane = rq_lane();
+#pragma unroll
+    for (int h = 1; h < 8; h <<= 1) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if ((e & h) == 0) {
+                const float a = v[e];
+                const float b = v[e + h];
+                v[e]     = __fadd_rn(a, b);
+                v[e + h] = __fsub_rn(a, b);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 1; m < WARP_SIZE; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const float p = __shfl_xor_sync(RQ_FULL_MASK, v[e], m);
+            v[e] = upper ? __fsub_rn(p, v[e]) : __fadd_rn(v[e], p);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        v[e] = __fmul_rn(v[e], 0.0625f);
+    }
+}
+
+// codes 8l..8l+7 as 8 bytes (values 0..7), little endian in two words. Code i: low 2 bits in
+// qs[i & 63] >> 2*(i >> 6), high bit in qh[i & 31] >> (i >> 5); for i = 8l + e that is byte e of
+// qs[8(l&7)..] at field l>>3 and byte e of qh[8(l&3)..] at bit l>>2.
+static __device__ __forceinline__ void rq_itq_lane_codes(const block_itq3_s * b, const int lane, uint32_t c[2]) {
+    const uint32_t * qs = (const uint32_t *) (b->qs + 8*(lane & 7));
+    const uint32_t * qh = (const uint32_t *) (b->qh + 8*(lane & 3));
+    const int sl = 2*(lane >> 3);
+    const int sh = lane >> 2;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+        c[k] = ((qs[k] >> sl) & 0x03030303u) | (((qh[k] >> sh) & 0x01010101u) << 2);
+    }
+}
+
+static __device__ __forceinline__ void rq_itq_dequant_warp(const block_itq3_s * b, float v[8]) {
+    const int lane = rq_lane();
+    const float d = __half2float(b->d);
+    const float m = __half2float(b->m);
+    uint32_t c[2];
+    rq_itq_lane_codes(b, lane, c);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        const int q = (c[e >> 2] >> (8*(e & 3))) & 7;
+        v[e] = __fadd_rn(__fmul_rn(d, (float) itq3_grid[q]), m);
+    }
+    rq_fwht256_warp(v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        v[e] = __fmul_rn(v[e], itq3_signs[8*lane + e]);
+    }
+}

@@ -1,0 +1,370 @@
+// ISOQUANT3_0 on CUDA: the device quantiser (SET_ROWS, CPY F32->ISO) and the dequantisers (to_fp16/
+// fp32/bf16 and their _nc twins, CPY ISO->F32/F16, GET_ROWS). One warp per 128-value block, lane l
+// owning values 4l..4l+3 (rq-device.cuh).
+//
+// Bit-exact with ggml-rq/isoquant.c: this file is compiled with -ftz=false -prec-div=true
+// -prec-sqrt=true -fmad=false (rq-cuda.cmake), the float64 norm is the same fixed tree
+// (64, 32, ..., 1) done with __dadd_rn across lanes, and every float step is an explicit
+// round-to-nearest intrinsic in the reference's order. The dequantised floats are bit-identical too,
+// so CPY ISO->F16 equals the CPU's cast bit for bit (both round float -> half to nearest even).
+
+#include "rq-impl.cuh"
+#include "rq-device.cuh"
+
+// sum of the 128 values a[] (4 per lane) as isoquant.c's tree: a[i] += a[i + s] for s = 64 ... 1.
+// s = 64 ... 4 pair lane l with l ^ (s/4); s = 2, 1 stay in lane 0. Returns the sum in every lane.
+static __device__ __forceinline__ double rq_iso_tree_sum_warp(double a[4]) {
+#pragma unroll
+    for (int m = WARP_SIZE/2; m >= 1; m >>= 1) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            a[e] = __dadd_rn(a[e], __shfl_xor_sync(RQ_FULL_MASK, a[e], m));
+        }
+    }
+    const double s = __dadd_rn(__dadd_rn(a[0], a[2]), __dadd_rn(a[1], a[3]));
+    return __shfl_sync(RQ_FULL_MASK, s, 0);
+}
+
+// quantize_row_isoquant3_0_ref for one block; x[e] = value 4*lane + e
+static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], block_isoquant3_0 * y, const int variant) {
+    const int lane = rq_lane();
+
+    double a[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const double xd = (double) x[e];
+        a[e] = __dmul_rn(xd, xd);
+    }
+    const double sd = __dsqrt_rn(rq_iso_tree_sum_warp(a));
+
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v[e] = sd > 0.0 ? __double2float_rn(__ddiv_rn((double) x[e], sd)) : 0.0f;
+    }
+    rq_iso_rotate_warp(v, variant);
+
+    uint32_t bits = 0;
+    double   c[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        int idx = 0;
+#pragma unroll
+        for (int k = 0; k < 7; ++k) {
+            idx += v[e] > iq3_bounds[k];
+        }
+        bits |= (uint32_t) idx << (3*e);
+        const double cd = (double) iq3_codebook[idx];
+        c[e] = __dmul_rn(cd, cd);
+    }
+    // norm-preserving scale; the codebook has no zero level, so the tree sum is > 0
+    const double dd = __ddiv_rn(sd, __dsqrt_rn(rq_iso_tree_sum_warp(c)));
+
+    const uint32_t hi = __shfl_down_sync(RQ_FULL_MASK, bits, 1);
+    if ((lane & 1) == 0) {
+        const uint32_t w = bits | hi << 12;
+        uint8_t * q = y->qs + 3*(lane >> 1);
+        q[0] = (uint8_t) (w & 0xff);
+        q[1] = (uint8_t) ((w >> 8) & 0xff);
+        q[2] = (uint8_t) (w >> 16);
+    }
+    if (lane == 0) {
+        y->d = __float2half_rn(__double2float_rn(dd < 65504.0 ? dd : 65504.0));
+    }
+}
+
+static __device__ __forceinline__ int64_t rq_warp_id() {
+    return (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
+}
+
+// ---------------------------------------------------------------------------------------------
+// kernels
+
+template <typename idx_t>
+static __global__ void k_iso_set_rows(
+        const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
+        const int64_t nblk, const int64_t ne01, const int64_t ne02,
+        const size_t nb01, const size_t nb02, const size_t nb03,
+        const int64_t ne11, const int64_t ne12, const size_t nb10, const size_t nb11, const size_t nb12,
+        const size_t nb1, const size_t nb2, const size_t nb3, const int variant) {
+    const int64_t w = rq_warp_id();
+    if (w >= nw) {
+        return;
+    }
+    int64_t t = w;
+    const int64_t ib  = t % nblk; t /= nblk;
+    const int64_t i01 = t % ne01; t /= ne01;
+    const int64_t i02 = t % ne02;
+    const int64_t i03 = t / ne02;
+
+    const int64_t i11 = i02 % ne11;
+    const int64_t i12 = i03 % ne12;
+    const int64_t dst_row = (int64_t) *(const idx_t *) (src1 + i01*nb10 + i11*nb11 + i12*nb12);
+
+    const float * x = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*QK_ISO + 4*rq_lane();
+    const float v[4] = { x[0], x[1], x[2], x[3] };
+    block_isoquant3_0 * y = (block_isoquant3_0 *) (dst + dst_row*nb1 + i02*nb2 + i03*nb3) + ib;
+    rq_iso_quantize_warp(v, y, variant);
+}
+
+// ggml_cpy F32 -> ISO: element order of the flattened tensors, one 128-block per warp (the rows of
+// both tensors hold whole blocks)
+static __global__ void k_iso_cpy_f32_iso(
+        const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
+        const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t ne10, const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12, const int64_t nb13,
+        const int variant) {
+    const int64_t w = rq_warp_id();
+    if (w >= nw) {
+        return;
+    }
+    const int64_t i = w*QK_ISO;
+
+    const int64_t i03 = i/(ne00*ne01*ne02);
+    const int64_t i02 = (i - i03*ne00*ne01*ne02)/(ne00*ne01);
+    const int64_t i01 = (i - i03*ne00*ne01*ne02 - i02*ne00*ne01)/ne00;
+    const int64_t i00 = i - i03*ne00*ne01*ne02 - i02*ne00*ne01 - i01*ne00;
+
+    const int64_t i13 = i/(ne10*ne11*ne12);
+    const int64_t i12 = (i - i13*ne10*ne11*ne12)/(ne10*ne11);
+    const int64_t i11 = (i - i13*ne10*ne11*ne12 - i12*ne10*ne11)/ne10;
+    const int64_t i10 = i - i13*ne10*ne11*ne12 - i12*ne10*ne11 - i11*ne10;
+
+    const char * x = cx + (i00 + 4*rq_lane())*nb00 + i01*nb01 + i02*nb02 + i03*nb03;
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        v[e] = *(const float *) (x + e*nb00);
+    }
+    rq_iso_quantize_warp(v, (block_isoquant3_0 *) (cdst + (i10/QK_ISO)*nb10 + i11*nb11 + i12*nb12 + i13*nb13), variant);
+}
+
+template <typename dst_t>
+static __global__ void k_iso_cpy_iso_f(
+        const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
+        const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
+        const int64_t ne10, const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12, const int64_t nb13,
+        const int variant) {
+    const int64_t w = rq_warp_id();
+    if (w >= nw) {
+        return;
+    }
+    const int64_t i = w*QK_ISO;
+
+    const int64_t i03 = i/(ne00*ne01*ne02);
+    const int64_t i02 = (i - i03*ne00*ne01*ne02)/(ne00*ne01);
+    const int64_t i01 = (i - i03*ne00*ne01*ne02 - i02*ne00*ne01)/ne00;
+    const int64_t i00 = i - i03*ne00*ne01*ne02 - i02*ne00*ne01 - i01*ne00;
+
+    const int64_t i13 = i/(ne10*ne11*ne12);
+    const int64_t i12 = (i - i13*ne10*ne11*ne12)/(ne10*ne11);
+    const int64_t i11 = (i - i13*ne10*ne11*ne12 - i12*ne10*ne11)/ne10;
+    const int64_t i10 = i - i13*ne10*ne11*ne12 - i12*ne10*ne11 - i11*ne10;
+
+    float v[4];
+    rq_iso_dequant_warp((const block_isoquant3_0 *) (cx + (i00/QK_ISO)*nb00 + i01*nb01 + i02*nb02 + i03*nb03), v, variant);
+
+    char * y = cdst + (i10 + 4*rq_lane())*nb10 + i11*nb11 + i12*nb12 + i13*nb13;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        *(dst_t *) (y + e*nb10) = ggml_cuda_cast<dst_t>(v[e]);
+    }
+}
+
+template <typename dst_t>
+static __global__ void k_iso_to(const block_isoquant3_0 * __restrict__ x, dst_t * __restrict__ y, const int64_t nb, const int variant) {
+    const int64_t ib = rq_warp_id();
+    if (ib >= nb) {
+        return;
+    }
+    float v[4];
+    rq_iso_dequant_warp(x + ib, v, variant);
+    dst_t * yb = y + ib*QK_ISO + 4*rq_lane();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
+    }
+}
+
+// strided source (strides in blocks), contiguous destination
+template <typename dst_t>
+static __global__ void k_iso_to_nc(const block_isoquant3_0 * __restrict__ x, dst_t * __restrict__ y, const int64_t nw,
+        const int64_t nblk, const int64_t ne01, const int64_t ne02,
+        const int64_t s01, const int64_t s02, const int64_t s03, const int variant) {
+    const int64_t w = rq_warp_id();
+    if (w >= nw) {
+        return;
+    }
+    int64_t t = w;
+    const int64_t ib  = t % nblk; t /= nblk;
+    const int64_t i01 = t % ne01; t /= ne01;
+    const int64_t i02 = t % ne02;
+    const int64_t i03 = t / ne02;
+
+    float v[4];
+    rq_iso_dequant_warp(x + i03*s03 + i02*s02 + i01*s01 + ib, v, variant);
+    dst_t * yb = y + (((i03*ne02 + i02)*ne01 + i01)*nblk + ib)*QK_ISO + 4*rq_lane();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
+    }
+}
+
+template <typename dst_t>
+static __global__ void k_iso_get_rows(
+        const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
+        const int64_t nblk, const int64_t ne10, const int64_t ne11,
+        const size_t nb01, const size_t nb02, const size_t nb03, const size_t nb10, const size_t nb11, const size_t nb12,
+        const size_t nb1, const size_t nb2, const size_t nb3, const int variant) {
+    const int64_t w = rq_warp_id();
+    if (w >= nw) {
+        return;
+    }
+    int64_t t = w;
+    const int64_t ib  = t % nblk; t /= nblk;
+    const int64_t i10 = t % ne10; t /= ne10;
+    const int64_t i11 = t % ne11;
+    const int64_t i12 = t / ne11;
+
+    const int64_t i01 = *(const int32_t *) (src1 + i10*nb10 + i11*nb11 + i12*nb12);
+
+    float v[4];
+    rq_iso_dequant_warp((const block_isoquant3_0 *) (src0 + i01*nb01 + i11*nb02 + i12*nb03) + ib, v, variant);
+    dst_t * yb = (dst_t *) (dst + i10*nb1 + i11*nb2 + i12*nb3) + ib*QK_ISO + 4*rq_lane();
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// host
+
+static int rq_iso_variant() {
+    return (int) ggml_rq_iso_get_variant();
+}
+
+template <typename T>
+void rq_iso_to_cuda(const void * x, T * y, const int64_t k, cudaStream_t stream) {
+    GGML_ASSERT(k % QK_ISO == 0);
+    const int64_t nb = k / QK_ISO;
+    if (nb == 0) {
+        return;
+    }
+    k_iso_to<T><<<rq_warp_grid(nb), rq_warp_block(), 0, stream>>>((const block_isoquant3_0 *) x, y, nb, rq_iso_variant());
+    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
+}
+
+template <typename T>
+void rq_iso_to_nc_cuda(const void * x, T * y, const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t ne03,
+                       const int64_t s01, const int64_t s02, const int64_t s03, cudaStream_t stream) {
+    GGML_ASSERT(ne00 % QK_ISO == 0);
+    const int64_t nblk = ne00 / QK_ISO;
+    const int64_t nw   = nblk*ne01*ne02*ne03;
+    if (nw == 0) {
+        return;
+    }
+    k_iso_to_nc<T><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
+        (const block_isoquant3_0 *) x, y, nw, nblk, ne01, ne02, s01, s02, s03, rq_iso_variant());
+    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
+}
+
+template void rq_iso_to_cuda<float>      (const void *, float *,       int64_t, cudaStream_t);
+template void rq_iso_to_cuda<half>       (const void *, half *,        int64_t, cudaStream_t);
+template void rq_iso_to_cuda<nv_bfloat16>(const void *, nv_bfloat16 *, int64_t, cudaStream_t);
+template void rq_iso_to_nc_cuda<float>      (const void *, float *,       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+template void rq_iso_to_nc_cuda<half>       (const void *, half *,        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+template void rq_iso_to_nc_cuda<nv_bfloat16>(const void *, nv_bfloat16 *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+
+void rq_iso_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * src0 = dst->src[0];
+    const ggml_tensor * src1 = dst->src[1];
+
+    GGML_TENSOR_BINARY_OP_LOCALS
+
+    GGML_ASSERT(dst->type == GGML_TYPE_ISOQUANT3_0);
+    GGML_ASSERT(src0->type == GGML_TYPE_F32 && nb00 == sizeof(float));
+    GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
+    GGML_ASSERT(ne00 % QK_ISO == 0);
+
+    const int64_t nblk = ne00 / QK_ISO;
+    const int64_t nw   = nblk*ne01*ne02*ne03;
+    if (nw == 0) {
+        return;
+    }
+    cudaStream_t stream = ctx.stream();
+    if (src1->type == GGML_TYPE_I64) {
+        k_iso_set_rows<int64_t><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
+            (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nw, nblk, ne01, ne02,
+            nb01, nb02, nb03, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant());
+    } else {
+        k_iso_set_rows<int32_t><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
+            (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nw, nblk, ne01, ne02,
+            nb01, nb02, nb03, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant());
+    }
+    ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nw);
+}
+
+void rq_iso_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1) {
+    const int64_t ne = ggml_nelements(src0);
+    GGML_ASSERT(ne == ggml_nelements(src1));
+    GGML_ASSERT(src0->ne[0] % QK_ISO == 0 && src1->ne[0] % QK_ISO == 0);
+
+    const int64_t nw = ne / QK_ISO;
+    if (nw == 0) {
+        return;
+    }
+    cudaStream_t stream = ctx.stream();
+    const char * cx   = (const char *) src0->data;
+    char       * cdst = (char *) src1->data;
+
+#define RQ_CPY_ARGS cx, cdst, nw, \
+    src0->ne[0], src0->ne[1], src0->ne[2], (int64_t) src0->nb[0], (int64_t) src0->nb[1], (int64_t) src0->nb[2], (int64_t) src0->nb[3], \
+    src1->ne[0], src1->ne[1], src1->ne[2], (int64_t) src1->nb[0], (int64_t) src1->nb[1], (int64_t) src1->nb[2], (int64_t) src1->nb[3], \
+    rq_iso_variant()
+
+    if (src0->type == GGML_TYPE_F32 && src1->type == GGML_TYPE_ISOQUANT3_0) {
+        k_iso_cpy_f32_iso<<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+        ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nw);
+    } else if (src0->type == GGML_TYPE_ISOQUANT3_0 && src1->type == GGML_TYPE_F32) {
+        k_iso_cpy_iso_f<float><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+        ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
+    } else if (src0->type == GGML_TYPE_ISOQUANT3_0 && src1->type == GGML_TYPE_F16) {
+        k_iso_cpy_iso_f<half><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+        ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
+    } else {
+        GGML_ABORT("%s: unsupported copy %s -> %s", __func__, ggml_type_name(src0->type), ggml_type_name(src1->type));
+    }
+#undef RQ_CPY_ARGS
+}
+
+void rq_iso_get_rows(const void * src0_d, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
+        int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
+        int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
+        size_t nb1, size_t nb2, size_t nb3, cudaStream_t stream) {
+    GGML_ASSERT(ne00 % QK_ISO == 0);
+    const int64_t nblk = ne00 / QK_ISO;
+    const int64_t nw   = nblk*ne10*ne11*ne12;
+    if (nw == 0) {
+        return;
+    }
+
+#define RQ_GET_ROWS_ARGS (const char *) src0_d, (const char *) src1_d, (char *) dst_d, nw, nblk, ne10, ne11, \
+    nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant()
+
+    switch (dst_type) {
+        case GGML_TYPE_F32:
+            k_iso_get_rows<float><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+            break;
+        case GGML_TYPE_F16:
+            k_iso_get_rows<half><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+            break;
+        case GGML_TYPE_BF16:
+            k_iso_get_rows<nv_bfloat16><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+            break;
+        default:
+            GGML_ABORT("%s: unsupported dst type %s", __func__, ggml_type_name(dst_type));
+    }
+#undef RQ_GET_ROWS_ARGS
+    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
+}

@@ -1,0 +1,504 @@
+#!/usr/bin/env python3
+"""Lane-level model of the RotaryQuant CUDA kernels, checked on the CPU against the references.
+
+    python3 scripts/cuda/lane-model.py        (from the repo root; numpy only, ~10 s)
+
+Nothing here runs CUDA. It is a line-by-line numpy transcription of what each warp of
+ggml-patches/src/cuda/*.cu does -- the lane layouts, the shuffle patterns (lane ^ m), the float
+operation order, the bit unpacking from staged words, the online softmax over 128-row tiles with KV
+splits and the combine step -- run for all 32 lanes at once and compared with the bit-exact numpy
+references (rotaryquant.quants.isoquant, converter.itq3) or with a float64 attention. It catches
+index-algebra and ordering mistakes without a GPU; it cannot catch CUDA-specific ones (races,
+launch bounds, flags), which only scripts/cuda/gpu-check.sh on a GPU can.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, ROOT)
+
+from rotaryquant.quants import isoquant as iq  # noqa: E402
+
+try:
+    from rotaryquant.converter import itq3  # installed package layout
+except ImportError:  # a plain checkout
+    from converter import itq3  # type: ignore[no-redef]
+
+F32, F64 = np.float32, np.float64
+LANES = np.arange(32)
+FAILS: list[str] = []
+
+
+def check(name: str, ok: bool, detail: str = "") -> None:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}{(': ' + detail) if detail else ''}")
+    if not ok:
+        FAILS.append(name)
+
+
+def shfl_xor(v: np.ndarray, m: int) -> np.ndarray:
+    """__shfl_xor_sync over the lane axis (axis 1)."""
+    return v[:, LANES ^ m]
+
+
+def shfl_down(v: np.ndarray, d: int) -> np.ndarray:
+    src = np.where(LANES + d < 32, LANES + d, LANES)
+    return v[:, src]
+
+
+# ------------------------------------------------------------------------------------------------
+# ISOQUANT3_0: rq-device.cuh / rq-iso.cu
+
+SIGNS = iq.SIGNS.astype(F32).reshape(32, 4)
+SO4 = iq.SO4.astype(F32)              # (32, 4, 4) [group][row][col]
+WS = F32(iq.WHT_SCALE)
+
+
+def iso_wht_warp(v: np.ndarray) -> np.ndarray:
+    """rq_iso_wht_warp; v (n, 32, 4) float32, lane l holds values 4l..4l+3."""
+    a0 = v[..., 0] + v[..., 1]
+    a1 = v[..., 0] - v[..., 1]
+    a2 = v[..., 2] + v[..., 3]
+    a3 = v[..., 2] - v[..., 3]
+    v = np.stack([a0 + a2, a1 + a3, a0 - a2, a1 - a3], axis=-1)
+    for m in (1, 2, 4, 8, 16):
+        p = shfl_xor(v, m)
+        upper = ((LANES & m) != 0)[None, :, None]
+        v = np.where(upper, p - v, v + p)
+    return v * WS
+
+
+def iso_block4(v: np.ndarray, transpose: bool) -> np.ndarray:
+    M = SO4.transpose(0, 2, 1) if transpose else SO4   # M[g][r][c] as the kernel reads it
+    y = np.empty_like(v)
+    for r in range(4):
+        m = M[:, r, :]                                 # (32, 4)
+        y[..., r] = ((m[:, 0] * v[..., 0] + m[:, 1] * v[..., 1]) + m[:, 2] * v[..., 2]) + m[:, 3] * v[..., 3]
+    return y
+
+
+def iso_rotate_warp(v: np.ndarray) -> np.ndarray:
+    return iso_block4(iso_wht_warp(v * SIGNS), transpose=False)
+
+
+def iso_rotate_inv_warp(v: np.ndarray) -> np.ndarray:
+    return iso_wht_warp(iso_block4(v, transpose=True)) * SIGNS
+
+
+def tree_sum_warp(a: np.ndarray) -> np.ndarray:
+    """rq_iso_tree_sum_warp; a (n, 32, 4) float64 -> (n,)"""
+    for m in (16, 8, 4, 2, 1):
+        a = a + shfl_xor(a, m)
+    return (a[:, 0, 0] + a[:, 0, 2]) + (a[:, 0, 1] + a[:, 0, 3])
+
+
+def iso_quantize_warp(x: np.ndarray) -> np.ndarray:
+    """rq_iso_quantize_warp for n blocks; returns (n, 50) bytes."""
+    n = x.shape[0]
+    xl = x.reshape(n, 32, 4).astype(F32)
+    xd = xl.astype(F64)
+    sd = np.sqrt(tree_sum_warp(xd * xd))
+    with np.errstate(all="ignore"):
+        v = np.where((sd > 0.0)[:, None, None], (xd / sd[:, None, None]).astype(F32), F32(0))
+    v = iso_rotate_warp(v.astype(F32))
+    idx = np.zeros(v.shape, np.uint32)
+    for b in iq.BOUNDS.astype(F32):
+        idx += (v > b)
+    c = iq.CODEBOOK.astype(F32)[idx].astype(F64)
+    with np.errstate(all="ignore"):
+        dd = sd / np.sqrt(tree_sum_warp(c * c))
+    d = np.where(dd < 65504.0, dd, 65504.0).astype(F32).astype(np.float16)
+    bits = np.zeros((n, 32), np.uint32)
+    for e in range(4):
+        bits |= idx[..., e] << np.uint32(3 * e)
+    hi = shfl_down(bits, 1)
+    out = np.zeros((n, 50), np.uint8)
+    out[:, :2] = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(n, 2)
+    for lane in range(0, 32, 2):
+        w = bits[:, lane] | (hi[:, lane] << np.uint32(12))
+        g = lane >> 1
+        out[:, 2 + 3 * g + 0] = w & 0xFF
+        out[:, 2 + 3 * g + 1] = (w >> 8) & 0xFF
+        out[:, 2 + 3 * g + 2] = w >> 16
+    return out
+
+
+def iso_lane_bits(qs: np.ndarray) -> np.ndarray:
+    """rq_iso_lane_bits for every lane; qs (n, 48) -> (n, 32) 12-bit groups"""
+    q = qs.astype(np.uint32)
+    out = np.empty((qs.shape[0], 32), np.uint32)
+    for lane in range(32):
+        p = 3 * (lane >> 1)
+        w = q[:, p] | (q[:, p + 1] << 8) | (q[:, p + 2] << 16)
+        out[:, lane] = (w >> (12 * (lane & 1))) & 0xFFF
+    return out
+
+
+def iso_dequant_warp(blocks: np.ndarray) -> np.ndarray:
+    n = blocks.shape[0]
+    d = np.ascontiguousarray(blocks[:, :2]).view("<f2").reshape(n).astype(F32)
+    bits = iso_lane_bits(blocks[:, 2:])
+    cb = iq.CODEBOOK.astype(F32)
+    v = np.stack([d[:, None] * cb[(bits >> (3 * e)) & 7] for e in range(4)], axis=-1)
+    return iso_rotate_inv_warp(v).reshape(n, 128)
+
+
+def test_iso_codec(rng: np.random.Generator) -> None:
+    x = [rng.standard_normal((512, 128)),
+         rng.standard_t(3, (256, 128)) * 1e3,
+         rng.standard_normal((256, 128)) + 1.0,
+         np.exp(rng.uniform(np.log(1e-40), np.log(1e38), (256, 128))) * rng.choice([-1, 1], (256, 128)),
+         np.zeros((4, 128)), np.full((4, 128), 1e30), np.full((4, 128), 1e-42)]
+    spec = rng.standard_normal((6, 128))
+    spec[0, 3] = np.nan
+    spec[1, 7] = np.inf
+    spec[2, :] = -np.inf
+    x.append(spec)
+    x = np.concatenate(x).astype(F32)
+    with np.errstate(all="ignore"):
+        ref = iq.quantize_blocks(x)
+        got = iso_quantize_warp(x)
+    bad = np.nonzero((ref != got).any(axis=1))[0]
+    check("iso quantiser (tree norm, WHT lanes, SO(4), packing) == numpy/C reference, bytes",
+          bad.size == 0, f"{x.shape[0]} blocks" + (f", first differing block {bad[0]}" if bad.size else ""))
+    with np.errstate(all="ignore"):
+        dref = iq.dequantize_blocks(ref)
+        dgot = iso_dequant_warp(ref)
+    same = np.array_equal(dref.view(np.uint32), dgot.view(np.uint32))
+    check("iso dequantiser (lane bits, SO(4)^T, WHT, signs) == reference, float bits", same)
+    v = rng.standard_normal((64, 32, 4)).astype(F32)
+    a = np.exp(rng.uniform(-30, 30, (512, 128)))     # wide range: the summation order shows in the bits
+    check("iso float64 tree norm across lanes == reference tree, bits",
+          np.array_equal(tree_sum_warp(a.reshape(512, 32, 4)).view(np.uint64), iq._tree_sum_f64(a).view(np.uint64)))
+    check("iso R then R^T in the lane layout ~ identity",
+          np.abs(iso_rotate_inv_warp(iso_rotate_warp(v)) - v).max() < 1e-5)
+    check("iso warp rotation == reference rotate()",
+          np.array_equal(iso_rotate_warp(v).reshape(64, 128), iq.rotate(v.reshape(64, 128))))
+
+
+# ------------------------------------------------------------------------------------------------
+# fattn-iso.cu: staging, index extraction, online softmax, KV splits, combine
+
+TILE = 128
+
+
+def stage_rows(rows: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """rq_fa_stage: rows (n, nb*50) bytes -> staged words (n, 12*nb+1) uint32, scales (n, nb)."""
+    n = rows.shape[0]
+    src = rows.view("<u2").reshape(n, nb * 25)
+    sw = 12 * nb + 1
+    dst16 = np.zeros((n, 2 * sw), np.uint16)
+    dsh = np.zeros((n, nb), F32)
+    for u in range(nb * 25):
+        b, k = divmod(u, 25)
+        if k == 0:
+            dsh[:, b] = src[:, u].view(np.float16).astype(F32)
+        else:
+            dst16[:, 24 * b + k - 1] = src[:, u]
+    return dst16.view("<u4").reshape(n, sw).astype(np.uint64), dsh
+
+
+def idx3(w: np.ndarray, k: int) -> np.ndarray:
+    """rq_idx3 on (n, 3) words (uint64 holding uint32)"""
+    bit = 3 * k
+    wi, sh = bit >> 5, bit & 31
+    v = w[:, wi] >> np.uint64(sh)
+    if sh > 29:
+        v |= (w[:, wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
+    return (v & np.uint64(7)).astype(np.int64)
+
+
+def staged_k_indices(words: np.ndarray, nb: int) -> np.ndarray:
+    """the score loop's view: (n, nb*128) indices"""
+    n = words.shape[0]
+    out = np.empty((n, nb * 128), np.int64)
+    for b in range(nb):
+        for ch in range(4):
+            w = words[:, 12 * b + 3 * ch: 12 * b + 3 * ch + 3]
+            for k in range(32):
+                out[:, b * 128 + 32 * ch + k] = idx3(w, k)
+    return out
+
+
+def staged_v_indices(words: np.ndarray, nb: int) -> np.ndarray:
+    """the accumulate loop's view: lane l takes bits 12l.. of each block; (n, nb*128) indices"""
+    n = words.shape[0]
+    out = np.empty((n, nb * 128), np.int64)
+    for b in range(nb):
+        for lane in range(32):
+            bit = 12 * lane
+            wi, sh = bit >> 5, bit & 31
+            bits = words[:, 12 * b + wi] >> np.uint64(sh)
+            if sh > 20:
+                bits |= (words[:, 12 * b + wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
+            for e in range(4):
+                out[:, b * 128 + 4 * lane + e] = ((bits >> np.uint64(3 * e)) & np.uint64(7)).astype(np.int64)
+    return out
+
+
+def fattn_model(q, kb, vb, mask, sinks, scale, max_bias, softcap, nc, nsplit_target):
+    """k_rq_fattn + k_rq_fattn_combine for ISO K and V. q (N, H, D) f32; kb/vb (n_kv, Hkv, nb*50) bytes;
+    mask (N, n_kv) f32 or None; returns (N, H, D) in the layout dst[i1][h]."""
+    N, H, D = q.shape
+    n_kv, Hkv, _ = kb.shape
+    nb, g = D // 128, H // Hkv
+    cb = iq.CODEBOOK.astype(F32)
+    scale_eff = F32(scale / softcap if softcap != 0 else scale)
+    n_head_log2 = 1 << int(np.floor(np.log2(H)))
+    m0 = F32(2.0 ** (-max_bias / n_head_log2))
+    m1 = F32(2.0 ** (-(max_bias / 2.0) / n_head_log2))
+
+    ncols = N * g
+    ntile = -(-ncols // nc)
+    nkvt = max(1, -(-n_kv // TILE))
+    nsplit = min(nkvt, max(1, nsplit_target))
+    tps = -(-nkvt // nsplit)
+    nsplit = -(-nkvt // tps)
+    chunk = tps * TILE
+
+    part_vkq = np.zeros((nsplit, N * H, D), F32)
+    part_ms = np.zeros((nsplit, N * H, 2), F32)
+    for ik2 in range(Hkv):
+        kw, kd = stage_rows(kb[:, ik2], nb)
+        vw, vd = stage_rows(vb[:, ik2], nb)
+        kidx = staged_k_indices(kw, nb)                    # (n_kv, D)
+        vidx = staged_v_indices(vw, nb)
+        kval = cb[kidx] * np.repeat(kd, 128, axis=1)        # d * c[idx], rotated domain
+        vval = np.repeat(vd, 128, axis=1) * cb[vidx]
+        for tile in range(ntile):
+            cols = [tile * nc + c for c in range(nc) if tile * nc + c < ncols]
+            iq1 = [f // g for f in cols]
+            hs = [ik2 * g + f % g for f in cols]
+            Qs = np.stack([q[i, h] * scale_eff for i, h in zip(iq1, hs)]).astype(F32)     # (C, D)
+            Qs = iso_rotate_warp(Qs.reshape(-1, 32, 4)).reshape(len(cols), D)   # per 128-block
+            slope = np.array([1.0 if max_bias <= 0 else (m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1))
+                              for h in hs], F32)
+            for z in range(nsplit):
+                M = np.full(len(cols), -np.inf, F32)
+                S = np.zeros(len(cols), F32)
+                acc = np.zeros((len(cols), D), F32)
+                for kv0 in range(z * chunk, min(n_kv, (z + 1) * chunk), TILE):
+                    rows = np.arange(kv0, min(kv0 + TILE, n_kv, (z + 1) * chunk))
+                    mv = np.zeros((len(rows), len(cols)), F32) if mask is None else \
+                        (slope[None, :] * mask[np.array(iq1)][:, rows].T).astype(F32)
+                    if (mv == -np.inf).all():
+                        continue                            # whole tile masked (__syncthreads_or)
+                    x = (kval[rows] @ Qs.T).astype(F32)     # (rows, C)
+                    if softcap != 0:
+                        x = (F32(softcap) * np.tanh(x)).astype(F32)
+                    s = np.where(mv == -np.inf, -np.inf, x + mv).astype(F32)
+                    mx = s.max(axis=0)
+                    Mnew = np.maximum(M, mx)
+                    with np.errstate(invalid="ignore"):
+                        ms = np.where(Mnew == -np.inf, 1.0, np.where(M == -np.inf, 0.0, np.exp(M - Mnew))).astype(F32)
+                        p = np.where((s == -np.inf) | (Mnew == -np.inf)[None, :], 0.0, np.exp(s - Mnew[None, :])).astype(F32)
+                    S = S * ms + p.sum(axis=0)
+                    M = Mnew
+                    acc = acc * ms[:, None] + (p.T @ vval[rows]).astype(F32)
+                for c, (i, h) in enumerate(zip(iq1, hs)):
+                    row = i * H + h
+                    part_vkq[z, row] = acc[c]
+                    part_ms[z, row] = (M[c], S[c])
+    # combine
+    out = np.zeros((N, H, D), F32)
+    for row in range(N * H):
+        h, i = row % H, row // H
+        Mz, Sz = part_ms[:, row, 0], part_ms[:, row, 1]
+        sink = sinks[h] if sinks is not None else -np.inf
+        Mf = max(Mz.max(), sink)
+        o = np.zeros(D, F32)
+        S = F32(0)
+        if Mf != -np.inf:
+            for z in range(nsplit):
+                if Mz[z] == -np.inf:
+                    continue
+                w = np.exp(Mz[z] - Mf)
+                S += w * Sz[z]
+                o += w * part_vkq[z, row]
+            if sinks is not None:
+                S += np.exp(sink - Mf)
+        o = o * (0 if S == 0 else 1 / S)
+        out[i, h] = iso_rotate_inv_warp(o.reshape(-1, 32, 4).astype(F32)).reshape(D)
+    return out
+
+
+def fattn_reference(q, K, V, mask, sinks, scale, max_bias, softcap):
+    N, H, D = q.shape
+    Hkv = K.shape[1]
+    g = H // Hkv
+    n_head_log2 = 1 << int(np.floor(np.log2(H)))
+    m0 = 2.0 ** (-max_bias / n_head_log2)
+    m1 = 2.0 ** (-(max_bias / 2.0) / n_head_log2)
+    out = np.zeros((N, H, D))
+    for h in range(H):
+        slope = 1.0 if max_bias <= 0 else (m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1))
+        k = K[:, h // g].astype(F64)
+        v = V[:, h // g].astype(F64)
+        s = q[:, h].astype(F64) @ k.T * scale
+        if softcap != 0:
+            s = softcap * np.tanh(s / softcap)
+        if mask is not None:
+            s = s + slope * mask.astype(F64)
+        mx = s.max(axis=1, keepdims=True)
+        if sinks is not None:
+            mx = np.maximum(mx, sinks[h])
+        mx = np.where(np.isfinite(mx), mx, 0.0)
+        p = np.exp(s - mx)
+        den = p.sum(axis=1, keepdims=True) + (np.exp(sinks[h] - mx) if sinks is not None else 0.0)
+        out[:, h] = np.where(den > 0, (p @ v) / np.where(den > 0, den, 1.0), 0.0)
+    return out
+
+
+def test_fattn(rng: np.random.Generator) -> None:
+    for b in range(2):
+        rows = iq.quantize_blocks(rng.standard_normal((300, 128)).astype(F32)).reshape(150, 100)
+        w, _ = stage_rows(rows, 2)
+        ref = iq.unpack_indices(rows.reshape(300, 50)[:, 2:]).reshape(150, 256)
+        check(f"fattn staging: score-loop indices (rq_idx3) == unpack [{b}]", np.array_equal(staged_k_indices(w, 2), ref))
+        check(f"fattn staging: accumulate-loop lane bits == unpack [{b}]", np.array_equal(staged_v_indices(w, 2), ref))
+
+    cases = [  # D, N, H, Hkv, n_kv, mask kind, sinks, softcap, max_bias, nc, nsplit
+        (128, 1, 8, 2, 700, "none", False, 0.0, 0.0, 4, 3),
+        (128, 3, 4, 1, 113, "causal", False, 0.0, 0.0, 8, 1),
+        (256, 2, 4, 4, 300, "random", True, 0.0, 0.0, 1, 2),
+        (128, 5, 8, 2, 520, "causal", True, 10.0, 0.0, 8, 4),
+        (256, 1, 2, 1, 129, "rowdead", True, 0.0, 8.0, 4, 2),
+        (128, 4, 4, 2, 400, "rowdead", False, 0.0, 0.0, 8, 3),
+    ]
+    for D, N, H, Hkv, n_kv, mk, use_sinks, softcap, max_bias, nc, ns in cases:
+        q = rng.standard_normal((N, H, D)).astype(F32)
+        kf = (rng.standard_normal((n_kv, Hkv, D)) + 0.3).astype(F32)
+        vf = rng.standard_t(4, (n_kv, Hkv, D)).astype(F32)
+        kb = iq.quantize_blocks(kf.reshape(-1, 128)).reshape(n_kv, Hkv, -1)
+        vb = iq.quantize_blocks(vf.reshape(-1, 128)).reshape(n_kv, Hkv, -1)
+        K = iq.dequantize_blocks(kb.reshape(-1, 50)).reshape(n_kv, Hkv, D)
+        V = iq.dequantize_blocks(vb.reshape(-1, 50)).reshape(n_kv, Hkv, D)
+        mask = None
+        if mk == "causal":
+            mask = np.where(np.arange(n_kv)[None, :] <= (n_kv - N + np.arange(N))[:, None], 0.0, -np.inf).astype(F32)
+        elif mk == "random":
+            mask = np.where(rng.random((N, n_kv)) < 0.3, -np.inf, rng.standard_normal((N, n_kv))).astype(F32)
+        elif mk == "rowdead":
+            mask = np.zeros((N, n_kv), F32)
+            mask[0, :] = -np.inf                      # a query that sees nothing
+            mask[:, : min(n_kv, 260)] = -np.inf if N > 1 else 0.0
+        mask16 = None if mask is None else mask.astype(np.float16).astype(F32)
+        sinks = rng.standard_normal(H).astype(F32) if use_sinks else None
+        scale = 1.0 / np.sqrt(D)
+        got = fattn_model(q, kb, vb, mask16, sinks, scale, max_bias, softcap, nc, ns)
+        ref = fattn_reference(q, K, V, mask16, sinks, scale, max_bias, softcap)
+        err = np.abs(got - ref).max() / max(1e-30, np.abs(ref).max())
+        check(f"fattn model D={D} N={N} H={H}/{Hkv} n_kv={n_kv} mask={mk} sinks={use_sinks} softcap={softcap} "
+              f"alibi={max_bias} nc={nc} splits={ns}", bool(err < 2e-5) and np.isfinite(got).all(), f"max rel err {err:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------
+# ITQ3_S: rq-device.cuh / rq-itq3.cu
+
+GRID = np.asarray(itq3.GRID, np.int64)
+ISIGNS = np.asarray(itq3.SIGNS, F32).reshape(32, 8)
+
+
+def itq_lane_codes(blocks: np.ndarray) -> np.ndarray:
+    """rq_itq_lane_codes for every lane: (n, 32, 2) uint32 words of 4 code bytes"""
+    n = blocks.shape[0]
+    qs = blocks[:, 4:68].view("<u4").reshape(n, 16).astype(np.uint32)
+    qh = blocks[:, 68:100].view("<u4").reshape(n, 8).astype(np.uint32)
+    out = np.empty((n, 32, 2), np.uint32)
+    for lane in range(32):
+        sl, sh = 2 * (lane >> 3), lane >> 2
+        for k in range(2):
+            lo = (qs[:, 2 * (lane & 7) + k] >> np.uint32(sl)) & np.uint32(0x03030303)
+            hi = ((qh[:, 2 * (lane & 3) + k] >> np.uint32(sh)) & np.uint32(0x01010101)) << np.uint32(2)
+            out[:, lane, k] = lo | hi
+    return out
+
+
+def byte_perm(x: np.ndarray, y: np.ndarray, s: np.ndarray) -> np.ndarray:
+    src = (y.astype(np.uint64) << np.uint64(32)) | x.astype(np.uint64)
+    out = np.zeros(np.broadcast(x, s).shape, np.uint64)
+    for i in range(4):
+        sel = (s.astype(np.uint64) >> np.uint64(4 * i)) & np.uint64(7)
+        out |= ((src >> (sel * np.uint64(8))) & np.uint64(0xFF)) << np.uint64(8 * i)
+    return out.astype(np.uint32)
+
+
+def grid4(c: np.ndarray) -> np.ndarray:
+    """rq_itq_grid4 -> the 4 int8 grid values"""
+    glo = np.uint32(sum((int(GRID[k]) & 0xFF) << (8 * k) for k in range(4)))
+    ghi = np.uint32(sum((int(GRID[k + 4]) & 0xFF) << (8 * k) for k in range(4)))
+    sel = (c & 0x7) | ((c >> 4) & 0x70) | ((c >> 8) & 0x700) | ((c >> 12) & 0x7000)
+    r = byte_perm(np.full_like(c, glo), np.full_like(c, ghi), sel)
+    return np.ascontiguousarray(r).view(np.int8).reshape(*c.shape, 4)
+
+
+def fwht256_warp(v: np.ndarray) -> np.ndarray:
+    """rq_fwht256_warp; v (n, 32, 8) float32"""
+    v = v.copy()
+    for h in (1, 2, 4):
+        for e in range(8):
+            if e & h == 0:
+                a, b = v[..., e].copy(), v[..., e + h].copy()
+                v[..., e], v[..., e + h] = a + b, a - b
+    for m in (1, 2, 4, 8, 16):
+        p = shfl_xor(v, m)
+        upper = ((LANES & m) != 0)[None, :, None]
+        v = np.where(upper, p - v, v + p)
+    return v * F32(0.0625)
+
+
+def test_itq(rng: np.random.Generator) -> None:
+    w = np.concatenate([rng.standard_normal((200, 256)), rng.standard_t(3, (50, 256)) * 0.05, np.zeros((2, 256))]).astype(F32)
+    blocks = itq3.quantize_blocks(w)
+    q, d16, m16 = itq3.unpack_blocks(blocks)
+    codes = itq_lane_codes(blocks)
+    cb = np.ascontiguousarray(codes).view(np.uint8).reshape(-1, 256)   # byte e of word k = code 8l + 4k + e
+    check("itq lane codes (qs/qh bit planes) == unpack", np.array_equal(cb, q))
+    g = grid4(codes).reshape(-1, 256)
+    check("itq __byte_perm grid lookup == grid[code]", np.array_equal(g.astype(np.int64), GRID[q]))
+    v = (d16.astype(F32)[:, None, None] * GRID[q].astype(F32).reshape(-1, 32, 8) + m16.astype(F32)[:, None, None]).astype(F32)
+    got = (fwht256_warp(v) * ISIGNS).reshape(-1, 256)
+    with np.errstate(all="ignore"):
+        ref = itq3.dequantize_blocks(blocks)
+    check("itq dequantiser (lane FWHT, signs) == numpy reference, float bits",
+          np.array_equal(got.view(np.uint32), ref.view(np.uint32)))
+
+    # matrix-vector: rotate + int8 activations, integer dot, offset term
+    nrow, nblk = 16, 4
+    W = rng.standard_normal((nrow, nblk * 256)).astype(F32)
+    Wb = itq3.quantize_blocks(W.reshape(-1, 256)).reshape(nrow, nblk, 100)
+    Wd = itq3.dequantize_blocks(Wb.reshape(-1, 100)).reshape(nrow, -1).astype(F64)
+    x = rng.standard_normal(nblk * 256).astype(F32)
+    xv = (x.reshape(nblk, 32, 8) * ISIGNS).astype(F32)
+    y = fwht256_warp(xv).reshape(nblk, 256)
+    amax = np.abs(y).max(axis=1)
+    dy = (amax / 127).astype(F32)
+    iy = np.where(amax > 0, 127 / amax, 0).astype(F32)
+    qy = np.rint(y * iy[:, None]).astype(np.int64)
+    ds = dy * qy.sum(axis=1)
+    out = np.zeros(nrow)
+    for r in range(nrow):
+        qq, dw, mw = itq3.unpack_blocks(Wb[r])
+        for b in range(nblk):
+            isum = int((GRID[qq[b]] * qy[b]).sum())
+            out[r] += float(dw[b]) * float(dy[b]) * isum + float(mw[b]) * float(ds[b])
+    ref = Wd @ x.astype(F64)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    check("itq mmvq formula (rotated int8 activations) ~ dequantised weights . x", err < 2e-2, f"max rel err {err:.1e}")
+
+
+def main() -> int:
+    rng = np.random.default_rng(20261129)
+    test_iso_codec(rng)
+    test_fattn(rng)
+    test_itq(rng)
+    print(f"lane-model: {'all ok' if not FAILS else str(len(FAILS)) + ' FAILED'}")
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
