@@ -73,6 +73,7 @@ _TWO = F32(2)
 _INV256 = F32(1.0 / 256)
 _F256 = F32(256)
 _SIXTEEN_S0 = F32(16) * SIGNS[0]                 # 16.0f * S[0] (exact)
+W_CLAMP = F32(1e15)                              # input clamp, see _quantize_chunk
 _CHUNK = 512                                      # blocks per vectorised chunk
 
 # code(x2) = #{k : x2 >= THR2[k]}.  THR2 are integers, so x2 >= T <=> floor(x2) >= T;
@@ -172,6 +173,9 @@ def _quantize_chunk(w: np.ndarray, iw: np.ndarray | None, trace: dict | None = N
     them with the scalar transcription of the spec: rounding-order slips show up there long
     before they flip a stored fp16 value)."""
     wt = np.ascontiguousarray(w.T)
+    # |w| beyond W_CLAMP is unrepresentable anyway (d and m saturate at 65504) and would overflow the
+    # float32 butterflies and sums of squares into Inf/NaN: clamp first (NaN stays NaN)
+    wt = np.where(wt > W_CLAMP, W_CLAMP, np.where(wt < -W_CLAMP, -W_CLAMP, wt))
     x = wt * _S_COL
     y = _fwht_cols(x)                                   # 1. rotate
     nb = y.shape[1]

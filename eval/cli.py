@@ -5,6 +5,8 @@
   rq-eval niah      multi-key needle in a haystack per KV type and context
   rq-eval gate      the 12-prompt quality gate per KV type
   rq-eval weights   size, PPL/KLD and speed of weight types vs the F16 requantisation
+  rq-eval serve     llama-server under concurrent load: failures, empty bodies, identical to alone, t/s
+  rq-eval soak      llama-server for N minutes: RSS stays flat, every response well-formed
   rq-eval report    docs/results/*.json -> docs/results/REPORT.md with plots and the claims ledger
 
 Results go to docs/results/NAME.json and .md (-o to change). Speed: rq-bench.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from rotaryquant import assets, paths
 from rotaryquant.bindings import RQTypeError
-from rotaryquant.eval import ablation, data, gate, kvquality, kvtypes, niah, perplexity, report, weights
+from rotaryquant.eval import ablation, data, gate, kvquality, kvtypes, niah, perplexity, report, serve, weights
 
 RESULTS = paths.REPO / "docs" / "results"
 
@@ -90,6 +92,30 @@ def cmd_gate(ns: argparse.Namespace) -> None:
     print(md)
 
 
+def cmd_serve(ns: argparse.Namespace) -> None:
+    model = _model(ns, assets.ISO_MODEL)
+    res = [serve.as_dict(serve.load_test(model, cache=c, clients=ns.clients, per_client=ns.requests,
+                                         n_predict=ns.n_predict, threads=ns.threads)) for c in _types(ns.kv)]
+    stem = ns.out or RESULTS / "serve"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = serve.to_markdown(res)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+
+
+def cmd_soak(ns: argparse.Namespace) -> None:
+    res = serve.soak(_model(ns, assets.ISO_MODEL), cache=kvtypes.validate(ns.kv), minutes=ns.minutes,
+                     clients=ns.clients, threads=ns.threads)
+    stem = ns.out or RESULTS / "soak"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    print(f"{res['requests']} requests, {res['malformed']} malformed, RSS growth {res['rss_growth_pct']}% "
+          f"(second half vs first half)")
+    if res["malformed"] or res["rss_growth_pct"] > 5:
+        raise ValueError("soak failed: malformed responses or RSS growth above 5%")
+
+
 def cmd_report(ns: argparse.Namespace) -> None:
     out = report.build(ns.results)
     print(f"wrote {out}")
@@ -150,6 +176,25 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("-o", "--out", type=Path)
     g.set_defaults(fn=cmd_gate)
 
+    sv = sub.add_parser("serve", help="llama-server under concurrent load (loopback)")
+    sv.add_argument("--model", type=Path, help="GGUF (default: the embedded Gemma3-270M)")
+    sv.add_argument("--kv", default="isoquant3_0,f16", help="cache types or K/V pairs (default: %(default)s)")
+    sv.add_argument("--clients", type=int, default=8, help="concurrent clients and server slots (default: %(default)s)")
+    sv.add_argument("--requests", type=int, default=8, help="requests per client (default: %(default)s)")
+    sv.add_argument("-n", "--n-predict", type=int, default=48)
+    sv.add_argument("-t", "--threads", type=int, default=2)
+    sv.add_argument("-o", "--out", type=Path)
+    sv.set_defaults(fn=cmd_serve)
+
+    so = sub.add_parser("soak", help="llama-server for N minutes, RSS and response checks")
+    so.add_argument("--model", type=Path, help="GGUF (default: the embedded Gemma3-270M)")
+    so.add_argument("--kv", default="isoquant3_0")
+    so.add_argument("--minutes", type=float, default=30.0, help="duration (default: %(default)s)")
+    so.add_argument("--clients", type=int, default=4)
+    so.add_argument("-t", "--threads", type=int, default=2)
+    so.add_argument("-o", "--out", type=Path)
+    so.set_defaults(fn=cmd_soak)
+
     r = sub.add_parser("report", help="collect results into REPORT.md with plots")
     r.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: docs/results)")
     r.set_defaults(fn=cmd_report)
@@ -157,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     try:
         ns.fn(ns)
-    except (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchError, niah.NiahError, RQTypeError,
-            ValueError) as e:
+    except (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchError, niah.NiahError, serve.ServeError,
+            RQTypeError, ValueError) as e:
         print(f"rq-eval: error: {e}", file=sys.stderr)
         return 1
     return 0

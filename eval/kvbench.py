@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -115,22 +116,28 @@ def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list
 
 def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_prompt: int = 512, n_gen: int = 32,
           reps: int = 2, threads: int = 2, timeout: float = 3600, progress=print) -> dict:
+    """reps rounds, each running every configuration once (interleaved, so that slow drifts of the
+    machine - other tenants, clocks - spread over all configurations instead of biasing one)."""
     shape = kv_shape(model)
-    rows: list[BenchRow] = []
+    samples: dict[tuple[str, int], dict[str, list[float]]] = {}
     t0 = time.time()
+    for rnd in range(reps):
+        for label, ctype, unfused in configs:
+            progress(f"[rq-bench] round {rnd + 1}/{reps}: {label}, depths {list(depths)}")
+            for rec in run_llama_bench(model, ctype, unfused=unfused, depths=list(depths), n_prompt=n_prompt,
+                                       n_gen=n_gen, reps=1, threads=threads, timeout=timeout):
+                s = samples.setdefault((label, int(rec.get("n_depth", 0))), {"pp": [], "tg": []})
+                s["pp" if int(rec["n_gen"]) == 0 else "tg"].append(float(rec["avg_ts"]))
+    rows: list[BenchRow] = []
     for label, ctype, unfused in configs:
-        progress(f"[rq-bench] {label}: depths {list(depths)}")
-        for rec in run_llama_bench(model, ctype, unfused=unfused, depths=list(depths), n_prompt=n_prompt,
-                                   n_gen=n_gen, reps=reps, threads=threads, timeout=timeout):
-            depth = int(rec.get("n_depth", 0))
-            row = next((r for r in rows if r.label == label and r.depth == depth), None)
-            if row is None:
-                row = BenchRow(label, ctype, unfused, depth, kv_bytes_per_token=shape.bytes_per_token(ctype))
-                rows.append(row)
-            if int(rec["n_prompt"]) > 0 and int(rec["n_gen"]) == 0:
-                row.pp_tps, row.pp_std = float(rec["avg_ts"]), float(rec["stddev_ts"])
-            elif int(rec["n_gen"]) > 0 and int(rec["n_prompt"]) == 0:
-                row.tg_tps, row.tg_std = float(rec["avg_ts"]), float(rec["stddev_ts"])
+        for depth in depths:
+            s = samples.get((label, depth), {"pp": [], "tg": []})
+            row = BenchRow(label, ctype, unfused, depth, kv_bytes_per_token=shape.bytes_per_token(ctype))
+            if s["pp"]:
+                row.pp_tps, row.pp_std = statistics.fmean(s["pp"]), statistics.pstdev(s["pp"])
+            if s["tg"]:
+                row.tg_tps, row.tg_std = statistics.fmean(s["tg"]), statistics.pstdev(s["tg"])
+            rows.append(row)
     # ratios inside this run
     for r in rows:
         base = next((b for b in rows if b.label == "f16" and b.depth == r.depth), None)
@@ -167,7 +174,7 @@ def to_markdown(res: dict) -> str:
         "",
         f"{res['date']}, {res['machine']['cpu']}, {res['settings']['threads']} threads; "
         f"llama-bench -fa 1, pp{res['settings']['n_prompt']} / tg{res['settings']['n_gen']} after a "
-        f"prefilled depth, {res['settings']['reps']} reps; ratios are within this run.",
+        f"prefilled depth, {res['settings']['reps']} interleaved rounds (mean); ratios are within this run.",
         "",
         "| cache | depth | KV bytes/token | pp t/s | tg t/s | tg / f16 | tg fused/unfused | tg / q4_0 |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

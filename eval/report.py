@@ -27,6 +27,8 @@ CLAIMS = [
     ("RotaryQuant Tab. 8", "rotation ablation: v1 (SO(3)) 0/5, v2 (no WHT) 1/5, v3 5/5 gate; no inverse rotation PPL 7.05 → 15,369",
      "PPL/KLD per rotation variant and with the inverse rotation skipped", "ablation"),
     ("RotaryQuant Tab. 4", "12/12 quality gate with compressed KV", "gate passes per KV type", "gate"),
+    ("RotaryQuant §5", "their MLX server under 8 clients: 4/8 empty bodies with HTTP 200, 34% parallel efficiency",
+     "patched llama-server, 8 clients, isoquant3_0 and f16 KV", "serve"),
     ("RotaryQuant §4.3", "IsoQuant pays off when KV attention > 20% of decode time",
      "share of decode time that grows with depth (attention), from t/s at depths 0 and the deepest", "attn_share"),
     ("ITQ3_S abstract", "ITQ3_S reduces the PPL gap to FP16 by 57% vs IQ3_S", "ΔPPL of ITQ3_S vs IQ3_S (same tensors)", "itq_gap"),
@@ -174,6 +176,16 @@ def build(results: Path) -> Path:
         measured["gate"] = ", ".join(f"{g['cache']} {g['passed']}/{g['total']}" for g in gate)
     else:
         body += ["## Quality gate", "", "_not run: `rq-eval gate`_", ""]
+
+    sv = _load(results, "serve")
+    if sv:
+        from rotaryquant.eval import serve
+
+        body += [serve.to_markdown(sv), ""]
+        measured["serve"] = "; ".join(f"{r['cache']}: {r['failures']} failures, {r['empty']} empty, {r['mismatches']} differ "
+                                      f"from alone, efficiency {r['parallel_efficiency']:.2f}" for r in sv)
+    else:
+        body += ["## llama-server under load", "", "_not run: `rq-eval serve`_", ""]
 
     for mode in ("tensor", "ftype"):
         w = _load(results, f"weights-{mode}")

@@ -25,6 +25,7 @@
 
 #define ITQ_VAR_EPS 0x1p-80f
 #define ITQ_LLOYD   3
+#define ITQ_W_CLAMP 1e15f
 
 static const int itq3_thr2[7] = { -206, -124, -59, 0, 59, 124, 206 };
 
@@ -97,9 +98,15 @@ static struct itq3_fit itq3_assign(const float * yc, float inv2, float o, uint8_
     return f;
 }
 
-static void itq3_quantize_block(const float * GGML_RESTRICT w, const float * GGML_RESTRICT iw, block_itq3_s * GGML_RESTRICT out) {
-    float y[QK_ITQ], yc[QK_ITQ], t[QK_ITQ];
+static void itq3_quantize_block(const float * GGML_RESTRICT w_in, const float * GGML_RESTRICT iw, block_itq3_s * GGML_RESTRICT out) {
+    float w[QK_ITQ], y[QK_ITQ], yc[QK_ITQ], t[QK_ITQ];
     uint8_t q[QK_ITQ];
+
+    // |w| beyond ITQ_W_CLAMP is unrepresentable anyway (d and m saturate at 65504) and would overflow
+    // the butterflies and sums of squares into Inf/NaN: clamp first (NaN stays NaN)
+    for (int i = 0; i < QK_ITQ; ++i) {
+        w[i] = w_in[i] > ITQ_W_CLAMP ? ITQ_W_CLAMP : (w_in[i] < -ITQ_W_CLAMP ? -ITQ_W_CLAMP : w_in[i]);
+    }
 
     // 1. rotate
     for (int i = 0; i < QK_ITQ; ++i) {

@@ -22,6 +22,13 @@ def test_itq3_matmul_matches_dequantised_twin(bin_dir):
     assert rc == 0, out[-4000:]
 
 
+def test_fuzz_harness_bounded_run(bin_dir):
+    # ASan + UBSan around our sources; random and adversarial blocks (NaN/Inf/max fp16 scales, zeros)
+    rc, out = _run([bin_dir / "fuzz-rq", "-runs", "4000", "-seed", "20261129"])
+    assert rc == 0, out[-4000:]
+    assert "no crash, NaN policy held" in out
+
+
 def test_upstream_quantize_fns(bin_dir):
     rc, out = _run([bin_dir / "test-quantize-fns", "-v"])
     assert rc == 0, out[-4000:]

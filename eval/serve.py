@@ -1,0 +1,314 @@
+"""llama-server under load, on loopback only: concurrency, correctness, throughput, soak.
+
+The RotaryQuant authors' own server returned empty bodies with HTTP 200 for 4 of 8 concurrent
+clients and reached 34% parallel efficiency. This drives the patched upstream llama-server with
+N concurrent clients (completion and chat, streaming and not) and checks every response against
+the same request sent alone: no failures, no empty bodies, identical greedy text. Every loop is
+bounded in requests and time; the server is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rotaryquant.bindings import tools
+from rotaryquant.eval import kvtypes
+
+PROMPTS = (
+    "Write two sentences about the sea.",
+    "List three uses of copper.",
+    "Explain what a prime number is.",
+    "Describe a winter morning in a small town.",
+    "Give a short definition of entropy.",
+    "What does a compiler do?",
+    "Name three birds that cannot fly.",
+    "Summarise the plot of a detective story in two sentences.",
+)
+KINDS = ("completion", "completion-stream", "chat", "chat-stream")
+
+
+class ServeError(RuntimeError):
+    """The server did not start, or a bounded step ran out of time."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: str
+    kind: str
+    n_predict: int
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.prompt, self.kind
+
+
+@dataclass
+class Response:
+    request: Request
+    status: int
+    text: str
+    n_tokens: int
+    seconds: float
+    error: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    pid: int
+
+
+@contextmanager
+def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_per_slot: int = 512, threads: int = 2,
+           extra: list[str] | None = None, env: dict[str, str] | None = None,
+           start_timeout: float = 180) -> Iterator[Server]:
+    """Start llama-server on a free loopback port; yield it; stop it (SIGTERM, then kill)."""
+    k, v = kvtypes.split(cache)
+    port = free_port()
+    cmd = [str(tools.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(ctx_per_slot * parallel), "--parallel", str(parallel), "-t", str(threads), "-fa", "on",
+           "-ctk", k, "-ctv", v, "--no-webui", "--metrics", *(extra or [])]
+    e = {kk: vv for kk, vv in os.environ.items() if not kk.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
+    e.update(env or {})
+    log = open(os.devnull, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=e)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise ServeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-1500:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (OSError, urllib.error.HTTPError):
+                pass
+            if time.time() > deadline:
+                raise ServeError(f"llama-server did not become healthy within {start_timeout:.0f} s")
+            time.sleep(0.3)
+        yield Server(base, proc.pid)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _post(url: str, body: dict, timeout: float) -> urllib.request.Request:
+    return urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                  headers={"Content-Type": "application/json"})
+
+
+def send(base: str, req: Request, timeout: float = 300) -> Response:
+    """One request; streaming responses are reassembled from their server-sent events."""
+    stream = req.kind.endswith("-stream")
+    common = {"temperature": 0.0, "top_k": 1, "seed": 42, "cache_prompt": False, "stream": stream}
+    if req.kind.startswith("completion"):
+        url, body = base + "/completion", {"prompt": req.prompt, "n_predict": req.n_predict, **common}
+    else:
+        url, body = base + "/v1/chat/completions", {"messages": [{"role": "user", "content": req.prompt}],
+                                                    "max_tokens": req.n_predict, **common}
+    t0 = time.time()
+    try:
+        with urllib.request.urlopen(_post(url, body, timeout), timeout=timeout) as r:
+            status = r.status
+            raw = r.read().decode()
+    except urllib.error.HTTPError as e:
+        return Response(req, e.code, "", 0, time.time() - t0, f"HTTP {e.code}: {e.read()[:200]!r}")
+    except OSError as e:
+        return Response(req, 0, "", 0, time.time() - t0, str(e))
+    text, n_tok = _parse(req, raw, stream)
+    return Response(req, status, text, n_tok, time.time() - t0, "" if raw.strip() else "empty body")
+
+
+def _parse(req: Request, raw: str, stream: bool) -> tuple[str, int]:
+    chat = req.kind.startswith("chat")
+    if not stream:
+        if not raw.strip():
+            return "", 0
+        j = json.loads(raw)
+        if chat:
+            return j["choices"][0]["message"]["content"] or "", int(j.get("usage", {}).get("completion_tokens", 0))
+        return j.get("content", ""), int(j.get("tokens_predicted", 0))
+    text, n = [], 0
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line.strip() == "data: [DONE]":
+            continue
+        j = json.loads(line[6:])
+        if chat:
+            if j.get("choices") and j["choices"][0].get("delta", {}).get("content"):
+                text.append(j["choices"][0]["delta"]["content"])
+                n += 1
+            if j.get("usage"):
+                n = int(j["usage"].get("completion_tokens", n))
+        else:
+            text.append(j.get("content", ""))
+            if j.get("stop"):
+                n = int(j.get("tokens_predicted", n))
+    return "".join(text), n
+
+
+def metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        out = {}
+        for line in r.read().decode().splitlines():
+            if line.startswith("llamacpp:"):
+                name, _, value = line.partition(" ")
+                out[name.split(":", 1)[1]] = float(value)
+        return out
+
+
+def requests_for(n_requests: int, n_predict: int) -> list[Request]:
+    return [Request(PROMPTS[i % len(PROMPTS)], KINDS[(i // len(PROMPTS)) % len(KINDS)], n_predict)
+            for i in range(n_requests)]
+
+
+@dataclass
+class LoadResult:
+    cache: str
+    clients: int
+    requests: int
+    failures: int
+    empty: int
+    mismatches: int
+    solo_tps: float
+    concurrent_tps: float
+    parallel_efficiency: float
+    solo_seconds: float
+    concurrent_seconds: float
+    metrics: dict = field(default_factory=dict)
+    examples: list = field(default_factory=list)
+
+
+def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_client: int = 4, n_predict: int = 32,
+              threads: int = 2, deadline_s: float = 1800, progress=print) -> LoadResult:
+    reqs = requests_for(clients * per_client, n_predict)
+    distinct = list({r.key: r for r in reqs}.values())
+    with server(model, cache=cache, parallel=clients, threads=threads) as srv:
+        base = srv.url
+        progress(f"[rq-eval serve] {cache}: {len(distinct)} distinct requests alone")
+        t0 = time.time()
+        solo = {r.key: send(base, r) for r in distinct}
+        solo_s = time.time() - t0
+        solo_tokens = sum(r.n_tokens for r in solo.values())
+        progress(f"[rq-eval serve] {cache}: {clients} clients x {per_client} requests")
+        results: list[Response] = []
+        lock = threading.Lock()
+        stop_at = time.time() + deadline_s
+
+        def client(i: int) -> None:
+            for r in reqs[i::clients]:
+                if time.time() > stop_at:
+                    return
+                resp = send(base, r)
+                with lock:
+                    results.append(resp)
+
+        t0 = time.time()
+        threads_ = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in threads_:
+            t.start()
+        for t in threads_:
+            t.join()
+        conc_s = time.time() - t0
+        m = metrics(base)
+    if len(results) != len(reqs):
+        raise ServeError(f"only {len(results)} of {len(reqs)} requests finished within {deadline_s:.0f} s")
+    failures = sum(1 for r in results if r.status != 200 or r.error)
+    empty = sum(1 for r in results if r.status == 200 and not r.text.strip())
+    mism = [r for r in results if r.text != solo[r.request.key].text]
+    conc_tokens = sum(r.n_tokens for r in results)
+    solo_tps = solo_tokens / solo_s if solo_s else 0.0
+    conc_tps = conc_tokens / conc_s if conc_s else 0.0
+    return LoadResult(cache, clients, len(results), failures, empty, len(mism), round(solo_tps, 2), round(conc_tps, 2),
+                      round(conc_tps / (clients * solo_tps), 3) if solo_tps else 0.0, round(solo_s, 1), round(conc_s, 1),
+                      {k: v for k, v in m.items() if k.startswith("isoquant")},
+                      [{"kind": r.request.kind, "prompt": r.request.prompt, "alone": solo[r.request.key].text,
+                        "concurrent": r.text} for r in mism[:3]])
+
+
+def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
+         threads: int = 2, sample_every_s: float = 15, progress=print) -> dict:
+    """Requests for `minutes`; RSS of the server sampled; every response checked for well-formedness."""
+    reqs = requests_for(64, n_predict)
+    samples: list[tuple[float, int]] = []
+    bad: list[str] = []
+    done = 0
+    with server(model, cache=cache, parallel=clients, threads=threads) as srv:
+        base, pid = srv.url, srv.pid
+        end = time.time() + 60 * minutes
+        lock = threading.Lock()
+
+        def client(i: int) -> None:
+            nonlocal done
+            k = i
+            while time.time() < end:
+                r = send(base, reqs[k % len(reqs)])
+                k += clients
+                with lock:
+                    done += 1
+                    if r.status != 200 or r.error or not r.text.strip():
+                        bad.append(f"{r.request.kind}: status {r.status} {r.error or 'empty'}")
+
+        ts = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for t in ts:
+            t.start()
+        t0 = time.time()
+        while any(t.is_alive() for t in ts):
+            samples.append((round(time.time() - t0, 1), _rss_kib(pid)))
+            progress(f"[rq-eval soak] {samples[-1][0]:.0f} s: {done} requests, RSS {samples[-1][1] / 1024:.0f} MiB")
+            time.sleep(sample_every_s)
+        for t in ts:
+            t.join()
+    half = len(samples) // 2
+    first = sum(s for _, s in samples[:half]) / max(1, half)
+    second = sum(s for _, s in samples[half:]) / max(1, len(samples) - half)
+    return {"cache": cache, "minutes": minutes, "requests": done, "malformed": len(bad), "examples": bad[:5],
+            "rss_kib": samples, "rss_growth_pct": round(100 * (second - first) / first, 2) if first else 0.0}
+
+
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def to_markdown(results: list[dict]) -> str:
+    lines = ["## llama-server under load", "",
+             "Greedy requests (completion and chat, streaming and not) on loopback; 'identical' compares each "
+             "concurrent response with the same request sent alone; efficiency = concurrent t/s / (clients x alone t/s).", "",
+             "| cache | clients | requests | failures | empty | differ from alone | alone t/s | concurrent t/s | efficiency | fused calls | dequant rows |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        m = r.get("metrics", {})
+        lines.append(f"| {r['cache']} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
+                     f"| {r['solo_tps']:.1f} | {r['concurrent_tps']:.1f} | {r['parallel_efficiency']:.2f} "
+                     f"| {m.get('isoquant_fused_calls_total', 0):.0f} | {m.get('isoquant_dequant_rows_total', 0):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def as_dict(r: LoadResult) -> dict:
+    return asdict(r)
