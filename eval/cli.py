@@ -27,7 +27,7 @@ from rotaryquant.eval import ablation, data, gate, kvquality, kvtypes, niah, per
 RESULTS = paths.REPO / "docs" / "results"
 
 
-def _write(stem: Path, res: dict, md: str) -> None:
+def _write(stem: Path, res: dict | list, md: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
     stem.with_suffix(".md").write_text(md)
@@ -84,24 +84,14 @@ def cmd_gate(ns: argparse.Namespace) -> None:
     if ns.unfused:
         runs.append(("isoquant3_0", True))
     res = [gate.run(model, cache_type=t, unfused=u, max_tokens=ns.max_tokens, threads=ns.threads) for t, u in runs]
-    stem = ns.out or RESULTS / "gate"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    md = gate.to_markdown(res)
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    _write(ns.out or RESULTS / "gate", res, gate.to_markdown(res))
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL)
     res = [serve.as_dict(serve.load_test(model, cache=c, clients=ns.clients, per_client=ns.requests,
                                          n_predict=ns.n_predict, threads=ns.threads)) for c in _types(ns.kv)]
-    stem = ns.out or RESULTS / "serve"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    md = serve.to_markdown(res)
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    _write(ns.out or RESULTS / "serve", res, serve.to_markdown(res))
 
 
 def cmd_soak(ns: argparse.Namespace) -> None:

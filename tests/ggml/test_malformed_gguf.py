@@ -74,13 +74,18 @@ def test_row_not_divisible_by_the_block_is_refused(tmp_path, type_id, block):
     assert "block size" in err, err
 
 
-@pytest.mark.slow
-def test_truncated_real_model_is_a_load_error(bin_dir, smollm2_f16, tmp_path):
+@pytest.fixture()
+def smollm2_itq3(bin_dir, smollm2_f16, tmp_path):
     itq = tmp_path / "itq3.gguf"
     p = subprocess.run([str(bin_dir / "llama-quantize"), str(smollm2_f16), str(itq), "ITQ3_S"], capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    data = itq.read_bytes()
+    return itq
+
+
+@pytest.mark.slow
+def test_truncated_real_model_is_a_load_error(bin_dir, smollm2_itq3, tmp_path):
+    data = smollm2_itq3.read_bytes()
     bad = tmp_path / "trunc.gguf"
     bad.write_bytes(data[: len(data) - 100_000])
     proc = subprocess.run([str(bin_dir / "llama-completion"), "-m", str(bad), "-p", "x", "-n", "1", "-no-cnv",
@@ -90,11 +95,8 @@ def test_truncated_real_model_is_a_load_error(bin_dir, smollm2_f16, tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_scale_is_caught_by_check_tensors(bin_dir, smollm2_f16, tmp_path):
-    itq = tmp_path / "itq3.gguf"
-    p = subprocess.run([str(bin_dir / "llama-quantize"), str(smollm2_f16), str(itq), "ITQ3_S"], capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
+def test_nan_scale_is_caught_by_check_tensors(bin_dir, smollm2_itq3):
+    itq = smollm2_itq3
     r = gguf.GGUFReader(str(itq))
     t = next(t for t in r.tensors if t.tensor_type == gguf.GGMLQuantizationType.ITQ3_S)
     data = bytearray(itq.read_bytes())
