@@ -90,7 +90,8 @@ def cmd_gate(ns: argparse.Namespace) -> None:
 def cmd_serve(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL)
     res = [serve.as_dict(serve.load_test(model, cache=c, clients=ns.clients, per_client=ns.requests,
-                                         n_predict=ns.n_predict, threads=ns.threads)) for c in _types(ns.kv)]
+                                         n_predict=ns.n_predict, threads=ns.threads, server_args=ns.server_arg))
+           for c in _types(ns.kv)]
     _write(ns.out or RESULTS / "serve", res, serve.to_markdown(res))
 
 
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--requests", type=int, default=8, help="requests per client (default: %(default)s)")
     sv.add_argument("-n", "--n-predict", type=int, default=48)
     sv.add_argument("-t", "--threads", type=int, default=2)
+    sv.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra llama-server argument, repeatable (e.g. --server-arg=--no-repack)")
     sv.add_argument("-o", "--out", type=Path)
     sv.set_defaults(fn=cmd_serve)
 

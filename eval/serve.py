@@ -200,13 +200,15 @@ class LoadResult:
     concurrent_seconds: float
     metrics: dict = field(default_factory=dict)
     examples: list = field(default_factory=list)
+    server_args: list = field(default_factory=list)
 
 
 def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_client: int = 4, n_predict: int = 32,
-              threads: int = 2, deadline_s: float = 1800, progress=print) -> LoadResult:
+              threads: int = 2, server_args: list[str] | None = None, deadline_s: float = 1800,
+              progress=print) -> LoadResult:
     reqs = requests_for(clients * per_client, n_predict)
     distinct = list({r.key: r for r in reqs}.values())
-    with server(model, cache=cache, parallel=clients, threads=threads) as srv:
+    with server(model, cache=cache, parallel=clients, threads=threads, extra=server_args) as srv:
         base = srv.url
         progress(f"[rq-eval serve] {cache}: {len(distinct)} distinct requests alone")
         t0 = time.time()
@@ -246,7 +248,7 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
                       round(conc_tps / (clients * solo_tps), 3) if solo_tps else 0.0, round(solo_s, 1), round(conc_s, 1),
                       {k: v for k, v in m.items() if k.startswith("isoquant")},
                       [{"kind": r.request.kind, "prompt": r.request.prompt, "alone": solo[r.request.key].text,
-                        "concurrent": r.text} for r in mism[:3]])
+                        "concurrent": r.text} for r in mism[:3]], list(server_args or []))
 
 
 def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
@@ -300,11 +302,11 @@ def to_markdown(results: list[dict]) -> str:
     lines = ["## llama-server under load", "",
              "Greedy requests (completion and chat, streaming and not) on loopback; 'identical' compares each "
              "concurrent response with the same request sent alone; efficiency = concurrent t/s / (clients x alone t/s).", "",
-             "| cache | clients | requests | failures | empty | differ from alone | alone t/s | concurrent t/s | efficiency | fused calls | dequant rows |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cache | server args | clients | requests | failures | empty | differ from alone | alone t/s | concurrent t/s | efficiency | fused calls | dequant rows |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         m = r.get("metrics", {})
-        lines.append(f"| {r['cache']} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
+        lines.append(f"| {r['cache']} | {' '.join(r.get('server_args', [])) or '-'} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
                      f"| {r['solo_tps']:.1f} | {r['concurrent_tps']:.1f} | {r['parallel_efficiency']:.2f} "
                      f"| {m.get('isoquant_fused_calls_total', 0):.0f} | {m.get('isoquant_dequant_rows_total', 0):.0f} |")
     return "\n".join(lines) + "\n"

@@ -21,12 +21,11 @@ def test_concurrent_clients_all_get_full_answers(gemma3):
     r = serve.load_test(gemma3, cache="isoquant3_0", clients=4, per_client=2, n_predict=16, progress=lambda *_: None)
     assert r.requests == 8
     assert r.failures == 0 and r.empty == 0
-    assert 0 <= r.mismatches <= r.requests
     assert r.concurrent_tps > 0 and r.solo_tps > 0
     # the fused path served them: attention calls counted, no K/V row dequantised
     assert r.metrics["isoquant_fused_calls_total"] > 0
     assert r.metrics["isoquant_dequant_rows_total"] == 0
-    assert "| isoquant3_0 | 4 | 8 | 0 | 0 |" in serve.to_markdown([serve.as_dict(r)])
+    assert "| isoquant3_0 | - | 4 | 8 | 0 | 0 |" in serve.to_markdown([serve.as_dict(r)])
 
 
 def _post(url, body):
