@@ -89,9 +89,11 @@ def cmd_gate(ns: argparse.Namespace) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL)
+    modes = {"default": [False], "deterministic": [True], "both": [False, True]}[ns.mode]
     res = [serve.as_dict(serve.load_test(model, cache=c, clients=ns.clients, per_client=ns.requests,
-                                         n_predict=ns.n_predict, threads=ns.threads, server_args=ns.server_arg))
-           for c in _types(ns.kv)]
+                                         n_predict=ns.n_predict, threads=ns.threads, server_args=ns.server_arg,
+                                         deterministic=d))
+           for d in modes for c in _types(ns.kv)]
     _write(ns.out or RESULTS / "serve", res, serve.to_markdown(res))
 
 
@@ -174,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--requests", type=int, default=8, help="requests per client (default: %(default)s)")
     sv.add_argument("-n", "--n-predict", type=int, default=48)
     sv.add_argument("-t", "--threads", type=int, default=2)
+    sv.add_argument("--mode", choices=("default", "deterministic", "both"), default="both",
+                    help="server as configured by default, batch-invariant (--no-repack and GGML_CPU_TILED_MM=0: "
+                         "responses under load identical to alone), or both in one run (default: %(default)s)")
     sv.add_argument("--server-arg", action="append", default=[], metavar="ARG",
                     help="extra llama-server argument, repeatable (e.g. --server-arg=--no-repack)")
     sv.add_argument("-o", "--out", type=Path)

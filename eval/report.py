@@ -182,7 +182,7 @@ def build(results: Path) -> Path:
         from rotaryquant.eval import serve
 
         body += [serve.to_markdown(sv), ""]
-        measured["serve"] = "; ".join(f"{r['cache']}: {r['failures']} failures, {r['empty']} empty, {r['mismatches']} differ "
+        measured["serve"] = "; ".join(f"{r['cache']}{' (deterministic)' if r.get('deterministic') else ''}: {r['failures']} failures, {r['empty']} empty, {r['mismatches']} differ "
                                       f"from alone, efficiency {r['parallel_efficiency']:.2f}" for r in sv)
     else:
         body += ["## llama-server under load", "", "_not run: `rq-eval serve`_", ""]

@@ -38,6 +38,14 @@ PROMPTS = (
 )
 KINDS = ("completion", "completion-stream", "chat", "chat-stream")
 
+# Batch-invariant serving: upstream CPU kernels that switch algorithm with the number of rows in a
+# ubatch round differently, so a request's tokens depend on what else the server batched with it.
+# Two do it on x86: the repacked Q4_0/Q4_K/IQ4_NL weights (GEMM from 4 rows, GEMV below) and the
+# tiled K-quant matmul (from 8 rows). Turning both off makes every greedy response under load
+# identical to the same request alone (measured; docs/NOTES.md), at a prefill-speed cost.
+DETERMINISTIC_ARGS = ("--no-repack",)
+DETERMINISTIC_ENV = {"GGML_CPU_TILED_MM": "0"}
+
 
 class ServeError(RuntimeError):
     """The server did not start, or a bounded step ran out of time."""
@@ -201,21 +209,26 @@ class LoadResult:
     metrics: dict = field(default_factory=dict)
     examples: list = field(default_factory=list)
     server_args: list = field(default_factory=list)
+    deterministic: bool = False
 
 
 def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_client: int = 4, n_predict: int = 32,
-              threads: int = 2, server_args: list[str] | None = None, deadline_s: float = 1800,
-              progress=print) -> LoadResult:
+              threads: int = 2, server_args: list[str] | None = None, deterministic: bool = False,
+              deadline_s: float = 1800, progress=print) -> LoadResult:
+    """Every distinct request alone, then `clients` concurrent clients; compares the two, counts failures."""
     reqs = requests_for(clients * per_client, n_predict)
     distinct = list({r.key: r for r in reqs}.values())
-    with server(model, cache=cache, parallel=clients, threads=threads, extra=server_args) as srv:
+    args = [*(server_args or []), *(DETERMINISTIC_ARGS if deterministic else ())]
+    mode = "deterministic" if deterministic else "default"
+    with server(model, cache=cache, parallel=clients, threads=threads, extra=args,
+                env=DETERMINISTIC_ENV if deterministic else None) as srv:
         base = srv.url
-        progress(f"[rq-eval serve] {cache}: {len(distinct)} distinct requests alone")
+        progress(f"[rq-eval serve] {cache} ({mode}): {len(distinct)} distinct requests alone")
         t0 = time.time()
         solo = {r.key: send(base, r) for r in distinct}
         solo_s = time.time() - t0
         solo_tokens = sum(r.n_tokens for r in solo.values())
-        progress(f"[rq-eval serve] {cache}: {clients} clients x {per_client} requests")
+        progress(f"[rq-eval serve] {cache} ({mode}): {clients} clients x {per_client} requests")
         results: list[Response] = []
         lock = threading.Lock()
         stop_at = time.time() + deadline_s
@@ -248,7 +261,7 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
                       round(conc_tps / (clients * solo_tps), 3) if solo_tps else 0.0, round(solo_s, 1), round(conc_s, 1),
                       {k: v for k, v in m.items() if k.startswith("isoquant")},
                       [{"kind": r.request.kind, "prompt": r.request.prompt, "alone": solo[r.request.key].text,
-                        "concurrent": r.text} for r in mism[:3]], list(server_args or []))
+                        "concurrent": r.text} for r in mism[:3]], list(server_args or []), deterministic)
 
 
 def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
@@ -302,11 +315,12 @@ def to_markdown(results: list[dict]) -> str:
     lines = ["## llama-server under load", "",
              "Greedy requests (completion and chat, streaming and not) on loopback; 'identical' compares each "
              "concurrent response with the same request sent alone; efficiency = concurrent t/s / (clients x alone t/s).", "",
-             "| cache | server args | clients | requests | failures | empty | differ from alone | alone t/s | concurrent t/s | efficiency | fused calls | dequant rows |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| cache | mode | server args | clients | requests | failures | empty | differ from alone | alone t/s | concurrent t/s | efficiency | fused calls | dequant rows |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         m = r.get("metrics", {})
-        lines.append(f"| {r['cache']} | {' '.join(r.get('server_args', [])) or '-'} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
+        mode = "deterministic" if r.get("deterministic") else "default"
+        lines.append(f"| {r['cache']} | {mode} | {' '.join(r.get('server_args', [])) or '-'} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
                      f"| {r['solo_tps']:.1f} | {r['concurrent_tps']:.1f} | {r['parallel_efficiency']:.2f} "
                      f"| {m.get('isoquant_fused_calls_total', 0):.0f} | {m.get('isoquant_dequant_rows_total', 0):.0f} |")
     return "\n".join(lines) + "\n"
