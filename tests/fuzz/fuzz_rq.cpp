@@ -21,7 +21,6 @@
 
 extern "C" {
 // our entry points (ggml-patches/src/cpu/rq-cpu.h), compiled into this binary with sanitizers
-void ggml_rq_iso_mad_rot(int n, float * acc, const void * vx, float v);
 void ggml_rq_iso_unrotate(int n, float * acc);
 }
 
@@ -72,11 +71,10 @@ static void fuzz_type(ggml_type t, const uint8_t * data, size_t size) {
     if (fin) FUZZ_CHECK(std::isfinite(s), "vec_dot NaN/Inf from finite blocks");
 
     if (t == GGML_TYPE_ISOQUANT3_0) {
-        // the fused V path: accumulate in the rotated domain, rotate back once
-        std::vector<float> acc(n, 0.0f);
-        ggml_rq_iso_mad_rot((int) n, acc.data(), q.data(), 0.5f);
+        // the inverse rotation on the dequantised rows (what the fused path applies to its output)
+        std::vector<float> acc(x);
         ggml_rq_iso_unrotate((int) n, acc.data());
-        if (fin) FUZZ_CHECK(all_finite(acc.data(), n), "fused V NaN/Inf from finite blocks");
+        if (fin) FUZZ_CHECK(all_finite(acc.data(), n), "inverse rotation NaN/Inf from finite blocks");
     }
 
     // quantise the input reinterpreted as floats (any bit pattern, NaN/Inf/denormal included)
@@ -90,11 +88,35 @@ static void fuzz_type(ggml_type t, const uint8_t * data, size_t size) {
     }
 }
 
+// flash attention over the packed rows as both K and V (the fused path, GQA 2:1, 3 query rows)
+static void fuzz_fa(const uint8_t * data, size_t size) {
+    const size_t bs = sizeof(uint16_t) + 48, n_kv = size / bs;
+    if (n_kv == 0) return;
+    ggml_init_params ip = { 8u << 20, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * k = ggml_new_tensor_3d(ctx, GGML_TYPE_ISOQUANT3_0, 128, (int64_t) n_kv, 1);
+    memcpy(k->data, data, n_kv*bs);
+    ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 128, 3, 2);
+    float * qd = (float *) q->data;
+    for (int64_t i = 0; i < ggml_nelements(q); ++i) qd[i] = (float) ((int) data[(i*13) % size] - 128) / 32.0f;
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, q, k, k, nullptr, 0.125f, 0.0f, 0.0f);
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    FUZZ_CHECK(ggml_graph_compute_with_ctx(ctx, gf, 2) == GGML_STATUS_SUCCESS, "flash attention failed");
+    if (blocks_finite(data, n_kv, bs, {0})) {
+        FUZZ_CHECK(all_finite((const float *) out->data, (size_t) ggml_nelements(out)), "fused attention NaN/Inf from finite blocks");
+    }
+    ggml_free(ctx);
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     static bool init = (ggml_cpu_init(), true);
     (void) init;
     if (size < 2) return 0;
     fuzz_type(data[0] & 1 ? GGML_TYPE_ITQ3_S : GGML_TYPE_ISOQUANT3_0, data + 1, size - 1);
+    if (!(data[0] & 1)) {
+        fuzz_fa(data + 1, size - 1);
+    }
     return 0;
 }
 

@@ -10,9 +10,11 @@
 #include "ggml-rq.h"
 #include "rq-cpu.h"
 #include "quants.h"
+#include "vec.h"
 #include "ggml-rq/itq3-tables.h"
 
 #include <assert.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__AVX2__)
@@ -91,38 +93,6 @@ void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, 
 #endif
 }
 
-void ggml_rq_iso_mad_rot(int n, float * GGML_RESTRICT acc, const void * GGML_RESTRICT vx, float v) {
-    assert(n % QK_ISO == 0);
-    const block_isoquant3_0 * GGML_RESTRICT x = vx;
-    const int nb = n / QK_ISO;
-
-#if defined(__AVX2__)
-    const __m256  cb     = _mm256_loadu_ps(ggml_rq_iso_codebook());
-    const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
-    const __m256i mask   = _mm256_set1_epi32(7);
-    for (int ib = 0; ib < nb; ++ib) {
-        const __m256 cbs = _mm256_mul_ps(cb, _mm256_set1_ps(v*GGML_CPU_FP16_TO_FP32(x[ib].d)));
-        float * a = acc + ib*QK_ISO;
-        for (int g = 0; g < QK_ISO/8; ++g) {
-            const __m256 c = _mm256_permutevar8x32_ps(cbs, iq3_unpack8(x[ib].qs, g, shifts, mask));
-            _mm256_storeu_ps(a + 8*g, _mm256_add_ps(_mm256_loadu_ps(a + 8*g), c));
-        }
-    }
-#else
-    const float * cb = ggml_rq_iso_codebook();
-    for (int ib = 0; ib < nb; ++ib) {
-        const float vd = v*GGML_CPU_FP16_TO_FP32(x[ib].d);
-        float * a = acc + ib*QK_ISO;
-        for (int g = 0; g < QK_ISO/8; ++g) {
-            const uint32_t w = iq3_group(x[ib].qs, g);
-            for (int j = 0; j < 8; ++j) {
-                a[8*g + j] += vd * cb[(w >> (3*j)) & 7];
-            }
-        }
-    }
-#endif
-}
-
 void ggml_rq_iso_unrotate(int n, float * acc) {
     assert(n % QK_ISO == 0);
     if (ggml_rq_iso_get_skip_inverse()) {
@@ -131,6 +101,236 @@ void ggml_rq_iso_unrotate(int n, float * acc) {
     for (int ib = 0; ib < n / QK_ISO; ++ib) {
         ggml_rq_iso_rotate_inv(acc + ib*QK_ISO, acc + ib*QK_ISO);
     }
+}
+
+// codebook values (unscaled) and block norms of one packed row: what the kernels above compute per
+// call, computed once per key for all query rows that share it
+static void iso_unpack(int n, const block_isoquant3_0 * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d) {
+    for (int ib = 0; ib < n / QK_ISO; ++ib) {
+        d[ib] = GGML_CPU_FP16_TO_FP32(x[ib].d);
+        float * cb_out = c + ib*QK_ISO;
+#if defined(__AVX2__)
+        const __m256  cb     = _mm256_loadu_ps(ggml_rq_iso_codebook());
+        const __m256i shifts = _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21);
+        const __m256i mask   = _mm256_set1_epi32(7);
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            _mm256_storeu_ps(cb_out + 8*g, _mm256_permutevar8x32_ps(cb, iq3_unpack8(x[ib].qs, g, shifts, mask)));
+        }
+#else
+        const float * cb = ggml_rq_iso_codebook();
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            const uint32_t w = iq3_group(x[ib].qs, g);
+            for (int j = 0; j < 8; ++j) {
+                cb_out[8*g + j] = cb[(w >> (3*j)) & 7];
+            }
+        }
+#endif
+    }
+}
+
+// ggml_vec_dot_isoquant3_0_isoq_q on an unpacked row: the same operations in the same order
+static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, const float * GGML_RESTRICT q) {
+    const int nb = n / QK_ISO;
+#if defined(__AVX2__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int ib = 0; ib < nb; ++ib) {
+        const float * cq = c + ib*QK_ISO;
+        const float * qq = q + ib*QK_ISO;
+        __m256 a0 = _mm256_setzero_ps();
+        __m256 a1 = _mm256_setzero_ps();
+        for (int g = 0; g < QK_ISO/8; g += 2) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 0), _mm256_loadu_ps(qq + 8*g + 0), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 8), _mm256_loadu_ps(qq + 8*g + 8), a1);
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(d[ib]), _mm256_add_ps(a0, a1), acc);
+    }
+    return hsum_f32_8(acc);
+#else
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib) {
+        float sum = 0.0f;
+        for (int i = 0; i < QK_ISO; ++i) {
+            sum += c[ib*QK_ISO + i] * q[ib*QK_ISO + i];
+        }
+        sumf += sum * d[ib];
+    }
+    return sumf;
+#endif
+}
+
+// acc += v * ||x_b|| * c[idx_b] in the rotated domain, on an unpacked row
+static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, float v) {
+    for (int ib = 0; ib < n / QK_ISO; ++ib) {
+        const float vd = v*d[ib];
+        float       * a  = acc + ib*QK_ISO;
+        const float * cb = c   + ib*QK_ISO;
+#if defined(__AVX2__)
+        const __m256 s = _mm256_set1_ps(vd);
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            _mm256_storeu_ps(a + 8*g, _mm256_add_ps(_mm256_loadu_ps(a + 8*g), _mm256_mul_ps(_mm256_loadu_ps(cb + 8*g), s)));
+        }
+#else
+        for (int i = 0; i < QK_ISO; ++i) {
+            a[i] += vd * cb[i];
+        }
+#endif
+    }
+}
+
+#define RQ_FA_TILE 8   // query rows of one K/V head processed together
+
+void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
+    const struct ggml_tensor * q     = dst->src[0];
+    const struct ggml_tensor * k     = dst->src[1];
+    const struct ggml_tensor * v     = dst->src[2];
+    const struct ggml_tensor * mask  = dst->src[3];
+    const struct ggml_tensor * sinks = dst->src[4];
+
+    GGML_TENSOR_LOCALS(int64_t, neq, q,   ne)
+    GGML_TENSOR_LOCALS(size_t,  nbq, q,   nb)
+    GGML_TENSOR_LOCALS(int64_t, nek, k,   ne)
+    GGML_TENSOR_LOCALS(size_t,  nbk, k,   nb)
+    GGML_TENSOR_LOCALS(int64_t, nev, v,   ne)
+    GGML_TENSOR_LOCALS(size_t,  nbv, v,   nb)
+    GGML_TENSOR_LOCALS(int64_t, ne,  dst, ne)
+    GGML_TENSOR_LOCALS(size_t,  nb,  dst, nb)
+    GGML_UNUSED(ne0); GGML_UNUSED(ne3); GGML_UNUSED(nb0); GGML_UNUSED(nb2); GGML_UNUSED(nb3);
+    GGML_UNUSED(neq0); GGML_UNUSED(nbq0); GGML_UNUSED(nek0); GGML_UNUSED(nek1); GGML_UNUSED(nbk0);
+    GGML_UNUSED(nev0); GGML_UNUSED(nev1); GGML_UNUSED(nbv0);
+
+    GGML_ASSERT(v->type == GGML_TYPE_ISOQUANT3_0);
+
+    const int64_t DK = k->ne[0];
+    const int64_t DV = v->ne[0];
+
+    const int64_t rk2 = neq2/nek2, rk3 = neq3/nek3;
+    const int64_t rv2 = neq2/nev2, rv3 = neq3/nev3;
+
+    float scale, max_bias, logit_softcap;
+    memcpy(&scale,         (const float *) dst->op_params + 0, sizeof(float));
+    memcpy(&max_bias,      (const float *) dst->op_params + 1, sizeof(float));
+    memcpy(&logit_softcap, (const float *) dst->op_params + 2, sizeof(float));
+    if (logit_softcap != 0) {
+        scale /= logit_softcap;
+    }
+
+    const uint32_t n_head      = neq2;
+    const uint32_t n_head_log2 = 1u << (uint32_t) floor(log2(n_head));
+    const float m0 = powf(2.0f, -(max_bias       ) / n_head_log2);
+    const float m1 = powf(2.0f, -(max_bias / 2.0f) / n_head_log2);
+
+    const bool k_iso = k->type == GGML_TYPE_ISOQUANT3_0;
+    const enum ggml_type    k_vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
+    const ggml_from_float_t q_to_vec_dot   = ggml_get_type_traits_cpu(k_vec_dot_type)->from_float;
+    const ggml_vec_dot_t    kq_vec_dot     = ggml_get_type_traits_cpu(k->type)->vec_dot;
+    GGML_ASSERT(q_to_vec_dot && "fattn: unsupported K-type");
+
+    const size_t qrow = ggml_row_size(k_vec_dot_type, DK);
+
+    // per-tile state: everything one query row owns in the one-row loop
+    float         VKQ[RQ_FA_TILE][DV];
+    float         Q32[RQ_FA_TILE][qrow/sizeof(float) + 1];
+    float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE], mv[RQ_FA_TILE];
+    const ggml_fp16_t * mp[RQ_FA_TILE];
+    int64_t       row[RQ_FA_TILE][3];
+    // the current key and value, unpacked once for the tile
+    float kc[k_iso ? DK : 1], kd[k_iso ? DK/QK_ISO : 1];
+    float vc[DV], vd[DV/QK_ISO];
+
+    for (int64_t ir = ir0; ir < ir1; ) {
+        // a tile: consecutive rows that read the same K and V head
+        int T = 0;
+        int64_t ik2 = 0, ik3 = 0, iv2 = 0, iv3 = 0;
+        for (; T < RQ_FA_TILE && ir + T < ir1; ++T) {
+            const int64_t r   = ir + T;
+            const int64_t iq3 = r/(neq2*neq1);
+            const int64_t iq2 = (r - iq3*neq2*neq1)/neq1;
+            const int64_t iq1 = (r - iq3*neq2*neq1 - iq2*neq1);
+            if (T == 0) {
+                ik2 = iq2/rk2; ik3 = iq3/rk3; iv2 = iq2/rv2; iv3 = iq3/rv3;
+            } else if (iq2/rk2 != ik2 || iq3/rk3 != ik3 || iq2/rv2 != iv2 || iq3/rv3 != iv3) {
+                break;
+            }
+            row[T][0] = iq1; row[T][1] = iq2; row[T][2] = iq3;
+            const uint32_t h = iq2;
+            slope[T] = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
+            mp[T] = mask ? (const ggml_fp16_t *)((const char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : NULL;
+            M[T] = -INFINITY;
+            S[T] = 0.0f;
+            memset(VKQ[T], 0, DV*sizeof(float));
+            q_to_vec_dot((const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3)), Q32[T], DK);
+        }
+
+        for (int64_t ic = 0; ic < nek1; ++ic) {
+            bool any = false;
+            for (int t = 0; t < T; ++t) {
+                mv[t] = mp[t] ? slope[t]*GGML_CPU_FP16_TO_FP32(mp[t][ic]) : 0.0f;
+                any |= mv[t] != -INFINITY;
+            }
+            if (!any) {
+                continue;
+            }
+            const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
+            const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
+            if (k_iso) {
+                iso_unpack(DK, (const block_isoquant3_0 *) k_data, kc, kd);
+            }
+            iso_unpack(DV, (const block_isoquant3_0 *) v_data, vc, vd);
+
+            for (int t = 0; t < T; ++t) {
+                if (mv[t] == -INFINITY) {
+                    continue;
+                }
+                float s;
+                if (k_iso) {
+                    s = iso_dot_unpacked(DK, kc, kd, Q32[t]);
+                } else {
+                    kq_vec_dot(DK, &s, 0, k_data, 0, Q32[t], 0, 1);
+                }
+                s = s*scale;
+                if (logit_softcap != 0.0f) {
+                    s = logit_softcap*tanhf(s);
+                }
+                s += mv[t];
+
+                const float Mold = M[t];
+                float ms = 1.0f;
+                float vs = 1.0f;
+                if (s > M[t]) {
+                    M[t] = s;
+                    ms = expf(Mold - M[t]);
+                    ggml_vec_scale_f32(DV, VKQ[t], ms);
+                } else {
+                    vs = expf(s - M[t]);
+                }
+                iso_mad_unpacked(DV, VKQ[t], vc, vd, vs);
+                S[t] = S[t]*ms + vs;
+            }
+        }
+
+        for (int t = 0; t < T; ++t) {
+            ggml_rq_iso_unrotate(DV, VKQ[t]);
+            if (sinks) {
+                const float s = ((const float *) sinks->data)[row[t][1]];
+                float ms = 1.0f;
+                float vs = 1.0f;
+                if (s > M[t]) {
+                    ms = expf(M[t] - s);
+                    M[t] = s;
+                    ggml_vec_scale_f32(DV, VKQ[t], ms);
+                } else {
+                    vs = expf(s - M[t]);
+                }
+                S[t] = S[t]*ms + vs;
+            }
+            const float S_inv = S[t] == 0.0f ? 0.0f : 1.0f/S[t];
+            ggml_vec_scale_f32(DV, VKQ[t], S_inv);
+            // permute(0, 2, 1, 3)
+            memcpy((char *) dst->data + (row[t][2]*ne2*ne1 + row[t][1] + row[t][0]*ne1)*nb1, VKQ[t], nb1);
+        }
+        ir += T;
+    }
+    GGML_UNUSED(params);
 }
 
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref) {

@@ -19,8 +19,6 @@ void quantize_row_isoq_q     (const float * GGML_RESTRICT x, void * GGML_RESTRIC
 void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                      const void * GGML_RESTRICT vy, size_t by, int nrc);
 
-// acc += v * ||x_b|| * c[idx_b] (rotated domain, no inverse rotation)
-void ggml_rq_iso_mad_rot(int n, float * GGML_RESTRICT acc, const void * GGML_RESTRICT vx, float v);
 // acc <- R^T acc for every 128-value block (once per output row), unless the ablation switch is set
 void ggml_rq_iso_unrotate(int n, float * acc);
 
@@ -29,6 +27,12 @@ void quantize_row_q8_itq (const float * GGML_RESTRICT x, void * GGML_RESTRICT y,
 // sum_b dx_b * (d_b * <grid[q_b], qx_b> + m_b * sum(qx_b)): both operands in the rotated domain
 void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc);
+
+struct ggml_compute_params;
+// Flash attention for query rows [ir0, ir1) with an ISOQUANT3_0 V cache (any K type): keys outer, rows
+// inner, so each packed K/V row is unpacked once for all query rows of its head (GQA heads, prompt
+// tokens). Per row, the operations and their order do not depend on the grouping: batch-invariant.
+void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
 
 // counts flash-attention ops that touch ISOQUANT3_0 K/V (fused vs reference path)
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);
