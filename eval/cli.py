@@ -103,7 +103,8 @@ def cmd_soak(ns: argparse.Namespace) -> None:
     stem = ns.out or RESULTS / "soak"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    print(f"{res['requests']} requests, {res['malformed']} malformed, RSS growth {res['rss_growth_pct']}% "
+    stalled = " (the server stalled)" if res["stalled"] else ""
+    print(f"{res['requests']} requests, {res['malformed']} malformed{stalled}, RSS growth {res['rss_growth_pct']}% "
           f"(second half vs first half)")
     if res["malformed"] or res["rss_growth_pct"] > 5:
         raise ValueError("soak failed: malformed responses or RSS growth above 5%")

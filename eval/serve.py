@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -96,14 +97,17 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
            "-ctk", k, "-ctv", v, "--no-webui", "--metrics", *(extra or [])]
     e = {kk: vv for kk, vv in os.environ.items() if not kk.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
     e.update(env or {})
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.PIPE, text=True, env=e)
+    # the log goes to a file: an unread pipe fills up (64 KiB) and then blocks the server's main loop,
+    # which the 30-minute soak found
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=e)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + start_timeout
         while True:
             if proc.poll() is not None:
-                raise ServeError(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-1500:]}")
+                log.seek(0)
+                raise ServeError(f"llama-server exited with {proc.returncode}: {log.read()[-1500:]}")
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -265,12 +269,13 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
 
 
 def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
-         threads: int = 2, sample_every_s: float = 15, progress=print) -> dict:
+         threads: int = 2, sample_every_s: float = 15, stall_s: float = 120, progress=print) -> dict:
     """Requests for `minutes`; RSS of the server sampled; every response checked for well-formedness."""
     reqs = requests_for(64, n_predict)
     samples: list[tuple[float, int]] = []
     bad: list[str] = []
     done = 0
+    stalled = False
     with server(model, cache=cache, parallel=clients, threads=threads) as srv:
         base, pid = srv.url, srv.pid
         end = time.time() + 60 * minutes
@@ -291,16 +296,28 @@ def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, client
         for t in ts:
             t.start()
         t0 = time.time()
+        last_done, last_change = -1, t0
         while any(t.is_alive() for t in ts):
             samples.append((round(time.time() - t0, 1), _rss_kib(pid)))
             progress(f"[rq-eval soak] {samples[-1][0]:.0f} s: {done} requests, RSS {samples[-1][1] / 1024:.0f} MiB")
+            if done != last_done:
+                last_done, last_change = done, time.time()
+            elif time.time() - last_change > stall_s:
+                # no request finished for stall_s: the server hangs; stop the clients (their requests time out)
+                stalled = True
+                end = time.time()
+                bad.append(f"no request finished for {stall_s:.0f} s after {done} requests")
+                break
             time.sleep(sample_every_s)
         for t in ts:
-            t.join()
-    half = len(samples) // 2
-    first = sum(s for _, s in samples[:half]) / max(1, half)
-    second = sum(s for _, s in samples[half:]) / max(1, len(samples) - half)
-    return {"cache": cache, "minutes": minutes, "requests": done, "malformed": len(bad), "examples": bad[:5],
+            t.join(timeout=330)
+    # buffers are touched during the first minute (warm-up); growth is judged on what follows
+    warm = [x for x in samples if x[0] >= min(60.0, 6 * minutes)] or samples
+    half = len(warm) // 2
+    first = sum(s for _, s in warm[:half]) / max(1, half)
+    second = sum(s for _, s in warm[half:]) / max(1, len(warm) - half)
+    return {"cache": cache, "minutes": minutes, "requests": done, "malformed": len(bad), "stalled": stalled,
+            "examples": bad[:5],
             "rss_kib": samples, "rss_growth_pct": round(100 * (second - first) / first, 2) if first else 0.0}
 
 

@@ -59,3 +59,4 @@ def test_slot_save_and_restore_round_trip(gemma3, tmp_path):
     assert again["content"] == first["content"]
     # the restored isoquant3_0 cache was reused, not recomputed
     assert again["timings"]["prompt_n"] < first["timings"]["prompt_n"]
+
