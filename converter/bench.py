@@ -78,6 +78,16 @@ def _hf_weights(folder: Path) -> int:
     return inspect_folder(folder, paths.llama_root()).n_weights
 
 
+def _rq_convert_row(model: str, kind: str, src: Path, recipe: str, n: int, work: Path, nice: int) -> Row:
+    """One measured rq-convert run (its own process); the output is deleted once its size is taken."""
+    out = work / f"{model}-{recipe}.gguf"
+    s = run_measured([sys.executable, "-m", "rotaryquant.converter.cli", str(src), str(out), "--recipe", recipe,
+                      "--no-progress", "--table", "none"], nice=nice)
+    size = out.stat().st_size / 1e6
+    out.unlink()
+    return Row(model, kind, recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, size, [s])
+
+
 def bench_hf(model: str, folder: Path, recipes: list[str], work: Path, nice: int) -> list[Row]:
     py = sys.executable
     n = _hf_weights(folder)
@@ -86,11 +96,7 @@ def bench_hf(model: str, folder: Path, recipes: list[str], work: Path, nice: int
     quant = Path(os.environ.get("RQ_BIN_DIR", paths.bin_dir())) / "llama-quantize"
     f16 = work / f"{model}-upstream-f16.gguf"
     for recipe in recipes:
-        out = work / f"{model}-{recipe}.gguf"
-        s = run_measured([py, "-m", "rotaryquant.converter.cli", str(folder), str(out), "--recipe", recipe,
-                          "--no-progress", "--table", "none"], nice=nice)
-        rows.append(Row(model, "hf", recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, out.stat().st_size / 1e6, [s]))
-        out.unlink()
+        rows.append(_rq_convert_row(model, "hf", folder, recipe, n, work, nice))
         s1 = run_measured([py, str(up_script), str(folder), "--outtype", "f16", "--outfile", str(f16)], nice=nice)
         steps = [s1]
         size = f16.stat().st_size
@@ -110,15 +116,10 @@ def bench_gguf(model: str, gguf_path: Path, recipes: list[str], work: Path, nice
     from gguf import GGUFReader
 
     n = int(sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors))
-    py = sys.executable
     quant = Path(os.environ.get("RQ_BIN_DIR", paths.bin_dir())) / "llama-quantize"
     rows: list[Row] = []
     for recipe in recipes:
-        out = work / f"{model}-{recipe}.gguf"
-        s = run_measured([py, "-m", "rotaryquant.converter.cli", str(gguf_path), str(out), "--recipe", recipe,
-                          "--no-progress", "--table", "none"], nice=nice)
-        rows.append(Row(model, "gguf", recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, out.stat().st_size / 1e6, [s]))
-        out.unlink()
+        rows.append(_rq_convert_row(model, "gguf", gguf_path, recipe, n, work, nice))
         ft = UPSTREAM_FTYPE.get(recipe) or "F16"
         q = work / f"{model}-upstream-{recipe}.gguf"
         s2 = run_measured([str(quant), "--allow-requantize", str(gguf_path), str(q), ft], nice=nice)
