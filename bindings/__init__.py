@@ -12,6 +12,7 @@ from rotaryquant.bindings.ggml import (
     dequantize,
     iso_unfused,
     iso_variant,
+    k_center,
     lib_dir,
     quantize,
     reset_counters,
@@ -20,6 +21,7 @@ from rotaryquant.bindings.ggml import (
     set_iso_skip_inverse,
     set_iso_unfused,
     set_iso_variant,
+    set_k_center,
     type_from_name,
     type_name,
     type_names,
@@ -28,6 +30,6 @@ from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
     "COUNTERS", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
-    "iso_variant", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
-    "set_iso_unfused", "set_iso_variant", "type_from_name", "type_name", "type_names",
+    "iso_variant", "k_center", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
+    "set_iso_unfused", "set_iso_variant", "set_k_center", "type_from_name", "type_name", "type_names",
 ]

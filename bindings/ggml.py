@@ -207,6 +207,21 @@ def iso_unfused() -> bool:
     return bool(_ggml().ggml_rq_get_iso_unfused())
 
 
+K_CENTER_MODES = ("off", "auto", "force")
+
+
+def set_k_center(mode: str) -> None:
+    """K centring for KV caches created from now on: off, auto (calibrated model + quantised K; the
+    default) or force (also F16/F32 K: the exactness check)."""
+    if mode not in K_CENTER_MODES:
+        raise ValueError(f"unknown K-centring mode {mode!r}; choose from {', '.join(K_CENTER_MODES)}")
+    _ggml().ggml_rq_set_k_center(K_CENTER_MODES.index(mode))
+
+
+def k_center() -> str:
+    return K_CENTER_MODES[int(_ggml().ggml_rq_get_k_center())]
+
+
 def set_iso_variant(variant: str) -> None:
     """Research switch: rotation variant (v3 = the type; v2/v1/none = Table 8 ablations)."""
     if variant not in ISO_VARIANTS:

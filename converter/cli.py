@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--act-kurtosis-threshold", type=float, default=ACT_KURTOSIS_THRESHOLD, metavar="K",
                    help=f"the same for activation kurtosis when --imatrix is given (default {ACT_KURTOSIS_THRESHOLD:g})")
     p.add_argument("--no-promote", action="store_true", help="measure kurtosis but never promote")
+    p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="TEXT",
+                   help="then measure K-cache centring statistics on TEXT (default: the packaged calibration "
+                        "text) and store them in the output, as rq-calibrate does")
     p.add_argument("--dry-run", action="store_true", help="print the plan (types and why) without writing")
     p.add_argument("--table", choices=("changes", "full", "none"), default="changes",
                    help="per-tensor table: only promoted/overridden/fallback tensors (default), all, or none")
@@ -90,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rq-convert: interrupted; no output written", file=sys.stderr)
         return 130
+    if args.calibrate is not None and res.output is not None:
+        from rotaryquant.converter import kcenter
+
+        try:
+            kcenter.calibrate(res.output, res.output, text=args.calibrate or None, progress=not args.no_progress)
+        except (ConvertError, KeyboardInterrupt) as e:
+            res.output.unlink(missing_ok=True)
+            print(f"rq-convert: error: calibration failed, no output written: {e}", file=sys.stderr)
+            return 1
+        res.notes.append("K-cache calibration stored (rotaryquant.k_center.*)")
     pl = res.planner
     if args.table != "none":
         rows = pl.table(full=args.table == "full" or args.dry_run)

@@ -64,7 +64,7 @@ def run(model: Path, *, cache_type: str = "f16", unfused: bool = False, max_toke
     bindings.set_iso_unfused(unfused)
     try:
         llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=threads, seed=42, verbose=False,
-                              flash_attn=True, type_k=tk, type_v=tv)
+                              flash_attn=True, type_k=tk, type_v=tv, k_center=kvtypes.k_center(cache_type))
     finally:
         bindings.set_iso_unfused(was)
     checks = []

@@ -1,10 +1,20 @@
-"""KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type)."""
+"""KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type), with an
+optional "+calib" suffix: use the model's K-cache calibration (rq-calibrate). Without it, runs pass
+--no-k-center, so the same calibrated file measures both sides of the A/B in one run."""
 
 from __future__ import annotations
 
+CALIB = "+calib"
+
+
+def k_center(spec: str) -> bool:
+    return spec.strip().endswith(CALIB)
+
 
 def split(spec: str) -> tuple[str, str]:
-    k, _, v = spec.partition("/")
+    s = spec.strip()
+    s = s[: -len(CALIB)] if s.endswith(CALIB) else s
+    k, _, v = s.partition("/")
     return k.strip(), (v or k).strip()
 
 
@@ -17,4 +27,4 @@ def validate(spec: str) -> str:
 
 
 def uses_iso(spec: str) -> bool:
-    return "isoquant3_0" in split(spec)
+    return any(t.startswith("isoquant") for t in split(spec))

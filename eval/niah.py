@@ -67,7 +67,8 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
         tk, tv = (type_from_name(x) for x in kvtypes.split(cache))
         for ctx in ctxs:
             llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seed,
-                                  flash_attn=True, type_k=tk, type_v=tv, verbose=False)
+                                  flash_attn=True, type_k=tk, type_v=tv, verbose=False,
+                                  k_center=kvtypes.k_center(cache))
             limit = llama_cpp.llama_model_n_ctx_train(llm.model)
             if ctx > limit:
                 raise NiahError(f"context {ctx} is larger than the model's training context {limit}")

@@ -78,6 +78,8 @@ def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int
     cmd = [str(tools.binary("llama-perplexity")), "-m", str(model), "-f", str(text_file), "-c", str(ctx),
            "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", kvtypes.split(cache_type)[0],
            "-ctv", kvtypes.split(cache_type)[1]]
+    if not kvtypes.k_center(cache_type):
+        cmd += ["--no-k-center"]
     if batch:
         cmd += ["-b", str(batch)]
     if kld_base is not None:
@@ -85,7 +87,7 @@ def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int
         if not save_base:
             cmd += ["--kl-divergence"]
     cmd += extra or []
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_K_CENTER"))}
     if unfused:
         run_env["LLAMA_ISOQUANT_UNFUSED"] = "1"
     run_env.update(env or {})

@@ -38,6 +38,18 @@ GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
 GGML_API void ggml_rq_set_iso_unfused(bool unfused);
 GGML_API bool ggml_rq_get_iso_unfused(void);
 
+// K centring / Q-K rebalancing (rotaryquant.k_center.* in the GGUF, written by rq-calibrate): keys are
+// cached as (k - mu)/lam and queries multiplied by lam, which leaves softmax(q.k) unchanged. Read by
+// llama when a KV cache is created. 0: off; 1: on when the model is calibrated and the K cache is
+// quantised (default); 2: also for F16/F32 K caches (exactness tests). Env: LLAMA_K_CENTER=0|1|force.
+enum ggml_rq_k_center {
+    GGML_RQ_K_CENTER_OFF   = 0,
+    GGML_RQ_K_CENTER_AUTO  = 1,
+    GGML_RQ_K_CENTER_FORCE = 2,
+};
+GGML_API void                  ggml_rq_set_k_center(enum ggml_rq_k_center mode);
+GGML_API enum ggml_rq_k_center ggml_rq_get_k_center(void);
+
 // research switches (ablations of the paper's Table 8; not user options). The variant changes the
 // packed format: quantise and attend with the same setting. Env: GGML_ISOQUANT_VARIANT=v3|v2|v1|none,
 // GGML_ISOQUANT_SKIP_INVERSE=1.

@@ -79,6 +79,32 @@ bool ggml_rq_get_iso_unfused(void) {
     return v != 0;
 }
 
+static _Atomic int rq_k_center = -1;
+
+void ggml_rq_set_k_center(enum ggml_rq_k_center mode) {
+    GGML_ASSERT((unsigned) mode <= GGML_RQ_K_CENTER_FORCE);
+    atomic_store(&rq_k_center, (int) mode);
+}
+
+enum ggml_rq_k_center ggml_rq_get_k_center(void) {
+    int v = atomic_load(&rq_k_center);
+    if (v < 0) {
+        const char * e = getenv("LLAMA_K_CENTER");
+        v = GGML_RQ_K_CENTER_AUTO;
+        if (e && *e) {
+            if      (strcmp(e, "0") == 0 || strcmp(e, "off") == 0)   v = GGML_RQ_K_CENTER_OFF;
+            else if (strcmp(e, "1") == 0 || strcmp(e, "on") == 0)    v = GGML_RQ_K_CENTER_AUTO;
+            else if (strcmp(e, "2") == 0 || strcmp(e, "force") == 0) v = GGML_RQ_K_CENTER_FORCE;
+            else {
+                GGML_LOG_ERROR("%s: LLAMA_K_CENTER=%s is not one of 0, 1, force\n", __func__, e);
+                GGML_ABORT("invalid LLAMA_K_CENTER");
+            }
+        }
+        atomic_store(&rq_k_center, v);
+    }
+    return (enum ggml_rq_k_center) v;
+}
+
 void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
     GGML_ASSERT((unsigned) v <= GGML_RQ_ISO_NONE);
     atomic_store(&rq_iso_variant, (int) v);

@@ -1,0 +1,67 @@
+"""``rq-calibrate``: the command line over :func:`rotaryquant.converter.kcenter.calibrate`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rotaryquant.converter import kcenter
+from rotaryquant.converter.errors import ConvertError
+
+EPILOG = """\
+What it writes: rotaryquant.k_center.{version,layers,mean,scale} (float arrays, per layer x KV head x
+channel) and provenance (.text, .text_sha256, .tokens, .rule, .tool). Metadata only: the tensors are
+copied byte for byte and stock llama.cpp still loads the file (it ignores unknown keys).
+
+What it changes: with a quantised K cache (q4_0, q8_0, isoquant3_0, ...) the patched llama.cpp caches
+keys as (k - mu)/lam and multiplies queries by lam. softmax(q.k) is unchanged (q.mu is the same for
+every key of a query), but the cache no longer spends its levels on each channel's constant part.
+Turn it off for A/B runs with --no-k-center (llama.cpp tools), LLAMA_K_CENTER=0, or
+llama_cpp.Llama(..., k_center=False).
+
+Refused: models whose attention is not shift-invariant (logit soft-capping: Gemma2, Grok; attention
+sinks) and MLA models, where K doubles as V.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rq-calibrate",
+        description="Measure per-channel K means and Q/K scales on calibration text and store them in a GGUF, "
+                    "so that a quantised K cache keeps the model's quality.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="input .gguf")
+    p.add_argument("-f", "--file", metavar="TEXT", help="calibration text (default: the packaged calibration "
+                                                        "slice of the Shakespeare plays, which no eval scores)")
+    p.add_argument("-o", "--output", metavar="OUT", help="output .gguf (default: rewrite MODEL in place, atomically)")
+    p.add_argument("--tokens", type=int, default=kcenter.DEFAULT_TOKENS,
+                   help=f"calibration tokens (default {kcenter.DEFAULT_TOKENS}, at least {kcenter.MIN_TOKENS})")
+    p.add_argument("--ctx", type=int, default=2048, help="tokens per forward pass (default 2048)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--show", action="store_true", help="print per-layer statistics")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("-v", "--verbose", action="store_true", help="llama.cpp's own log while calibrating")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out, cal = kcenter.calibrate(args.model, args.output, text=args.file, n_tokens=args.tokens, n_ctx=args.ctx,
+                                     threads=args.threads, progress=not args.no_progress,
+                                     verbose=args.verbose)
+    except ConvertError as e:
+        print(f"rq-calibrate: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("rq-calibrate: interrupted; nothing written", file=sys.stderr)
+        return 130
+    if args.show:
+        for line in kcenter.summary(cal):
+            print(line)
+    print(f"wrote {out}: K centring for {len(cal.layers)} layers from {cal.tokens} tokens of {cal.text_name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

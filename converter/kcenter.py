@@ -1,0 +1,395 @@
+"""K-cache calibration: per-channel K centring and Q/K rebalancing statistics, stored in the GGUF.
+
+Post-RoPE keys of many models carry a large per-channel constant (Qwen2's k_proj bias, Gemma3's
+outlier channels). A 3- or 4-bit K cache spends its levels on that constant. The patched llama.cpp
+writes keys as (k - mu) / lam and multiplies queries by lam, which leaves softmax(q.k) unchanged:
+q.mu is the same for every key of a query, and (q * lam).(k / lam) = q.k. This module measures mu
+and lam on calibration text, through the patched library itself, and writes them as metadata arrays
+(``rotaryquant.k_center.*``): stock llama.cpp ignores unknown keys, so the file stays loadable
+everywhere; new tensors would make stock loaders fail ("wrong number of tensors").
+
+    mu  = mean of post-RoPE K, per (layer, KV head, channel)
+    lam = sqrt(max|K - mu| / max|Q|), Q over the query heads of that KV head (SmoothQuant, alpha 0.5)
+
+The GGUF is rewritten by copying its header, tensor infos and data verbatim around the new keys, so
+calibrating a 1 GB file takes seconds and never dequantises a tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rotaryquant.converter.errors import ConvertError
+
+PREFIX = "rotaryquant.k_center."
+FORMAT_VERSION = 1          # rotaryquant.k_center.version; the C++ loader checks it
+MIN_TOKENS = 256            # fewer tokens give means dominated by the first positions
+DEFAULT_TOKENS = 4096
+LAM_MIN, LAM_MAX = 2.0**-8, 2.0**8  # keeps K/lam and Q*lam well inside fp16 for any cache type
+
+# attention that is not shift-invariant in its logits: centring would change the model there
+# (logit soft-capping, tanh-scaled logits); K used as V (MLA): neither rewrite is exact
+_SOFTCAP_KEYS = ("attn_logit_softcapping",)
+_REFUSED_ARCHS = {"grok": "tanh-scaled attention logits", "gemma2": "attention logit soft-capping"}
+# archs that write the K cache outside build_attn or share K with V; the runtime refuses them too
+_UNHOOKED_ARCHS = ("deepseek2", "deepseek32", "deepseek4", "glm-dsa", "hy-v4", "dflash", "glm5-next",
+                   "minimax-m3", "qwen4exp", "dots3note", "kimi-linear", "bailingmoe3")
+
+
+@dataclass
+class LayerStats:
+    """Running statistics of one attention layer: K per (KV head, channel), |Q| per its KV head."""
+
+    n_head_kv: int
+    head_dim: int
+    count: int = 0
+    k_sum: np.ndarray = field(init=False)
+    k_min: np.ndarray = field(init=False)
+    k_max: np.ndarray = field(init=False)
+    q_absmax: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (self.n_head_kv, self.head_dim)
+        self.k_sum = np.zeros(shape, np.float64)
+        self.k_min = np.full(shape, np.inf)
+        self.k_max = np.full(shape, -np.inf)
+        self.q_absmax = np.zeros(shape, np.float64)
+
+    def add_k(self, k: np.ndarray) -> None:
+        """k: [tokens, n_head_kv, head_dim]."""
+        self.count += k.shape[0]
+        self.k_sum += k.sum(0, dtype=np.float64)
+        np.minimum(self.k_min, k.min(0), out=self.k_min)
+        np.maximum(self.k_max, k.max(0), out=self.k_max)
+
+    def add_q(self, q: np.ndarray) -> None:
+        """q: [tokens, n_head, head_dim]; query head h belongs to KV head h // (n_head / n_head_kv)."""
+        g = q.shape[1] // self.n_head_kv
+        a = np.abs(q).reshape(q.shape[0], self.n_head_kv, g, self.head_dim).max(axis=(0, 2))
+        np.maximum(self.q_absmax, a, out=self.q_absmax)
+
+    def derive(self) -> tuple[np.ndarray, np.ndarray]:
+        """(mu, lam), each [n_head_kv, head_dim] float32."""
+        mu = self.k_sum / max(self.count, 1)
+        kdev = np.maximum(self.k_max - mu, mu - self.k_min)
+        lam = np.sqrt(np.maximum(kdev, 1e-6) / np.maximum(self.q_absmax, 1e-6))
+        return mu.astype(np.float32), np.clip(lam, LAM_MIN, LAM_MAX).astype(np.float32)
+
+
+@dataclass
+class Calibration:
+    layers: list[int]
+    mu: list[np.ndarray]       # per layer [n_head_kv, head_dim]
+    lam: list[np.ndarray]
+    tokens: int
+    text_name: str
+    text_sha256: str
+
+    def metadata(self) -> dict[str, Any]:
+        try:
+            from importlib.metadata import version
+
+            tool = f"rq-calibrate {version('rotaryquant')} (format {FORMAT_VERSION})"
+        except Exception:  # noqa: BLE001
+            tool = f"rq-calibrate (format {FORMAT_VERSION})"
+        return {
+            PREFIX + "version": FORMAT_VERSION,
+            PREFIX + "layers": np.array(self.layers, np.int32),
+            PREFIX + "mean": np.concatenate([m.ravel() for m in self.mu]).astype(np.float32),
+            PREFIX + "scale": np.concatenate([lam.ravel() for lam in self.lam]).astype(np.float32),
+            PREFIX + "tokens": self.tokens,
+            PREFIX + "text": self.text_name,
+            PREFIX + "text_sha256": self.text_sha256,
+            PREFIX + "rule": "mu = mean(K); lam = sqrt(max|K - mu| / max|Q|) per channel, post-RoPE",
+            PREFIX + "tool": tool,
+        }
+
+
+# --- checks ----------------------------------------------------------------------------------------
+
+def check_model(path: Path) -> str:
+    """The architecture, or ConvertError when the rewrite would not be exact for this model."""
+    from rotaryquant.converter.gguf_source import architecture, open_gguf
+
+    r = open_gguf(path)
+    arch = architecture(r)
+    if arch in _REFUSED_ARCHS:
+        raise ConvertError(f"{path.name}: {arch} uses {_REFUSED_ARCHS[arch]}, so K centring would change "
+                           "its attention", fix="keep this model's K cache at f16 or q8_0 without calibration")
+    for k in _SOFTCAP_KEYS:
+        f = r.fields.get(f"{arch}.{k}")
+        if f is not None and float(f.contents()) > 0:
+            raise ConvertError(f"{path.name}: attention logit soft-capping ({arch}.{k} = {f.contents()}) is "
+                               "not shift-invariant, so K centring would change the model",
+                               fix="keep this model's K cache at f16 or q8_0 without calibration")
+    if arch in _UNHOOKED_ARCHS or r.fields.get(f"{arch}.attention.kv_lora_rank") is not None:
+        raise ConvertError(f"{path.name}: {arch} writes or reuses its K cache in ways K centring does not "
+                           "cover (MLA / custom attention)", fix="use this model without calibration")
+    if r.fields.get(f"{arch}.attention.head_count") is None:
+        raise ConvertError(f"{path.name}: {arch} has no attention layers ({arch}.attention.head_count missing)",
+                           fix="K calibration is for transformer models with a KV cache")
+    return arch
+
+
+def text_tokens(text: bytes, tokenize: Callable[[bytes], list[int]], n_tokens: int, name: str) -> list[int]:
+    ids = tokenize(text)
+    if len(ids) < MIN_TOKENS:
+        raise ConvertError(f"calibration text {name} is too short: {len(ids)} tokens, at least {MIN_TOKENS} "
+                           "are needed", fix="pass a longer text with -f")
+    return ids[:n_tokens]
+
+
+# --- capture -------------------------------------------------------------------------------------------
+
+_NE_OFF, _NB_OFF = 16, 48  # struct ggml_tensor: type, buffer*, ne[4] (int64), nb[4] (size_t)
+
+
+def _read_f32(lib: Any, t: int) -> np.ndarray | None:
+    """A captured F32 tensor as [ne3, ne2, ne1, ne0], strided views included; None for other types."""
+    if ctypes.c_int.from_address(t).value != 0:
+        return None
+    ne = [ctypes.c_int64.from_address(t + _NE_OFF + 8 * i).value for i in range(4)]
+    nb = [ctypes.c_size_t.from_address(t + _NB_OFF + 8 * i).value for i in range(4)]
+    span = lib.ggml_nbytes(t)
+    raw = np.empty(span, np.uint8)
+    lib.ggml_backend_tensor_get(t, raw.ctypes.data, 0, span)
+    buf = raw.view(np.float32) if span % 4 == 0 else raw[: span - span % 4].view(np.float32)
+    arr = np.lib.stride_tricks.as_strided(buf, shape=ne[::-1], strides=nb[::-1], writeable=False)
+    return np.array(arr, np.float32)
+
+
+def collect(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAULT_TOKENS, n_ctx: int = 2048,
+            threads: int | None = None, progress: bool = True, verbose: bool = False) -> Calibration:
+    """Run the model over the text (F16 cache, so nothing is rewritten) and gather the statistics."""
+    import llama_cpp as L
+    from rotaryquant.bindings.capture import _base
+
+    lib = _base()
+    stats: dict[int, LayerStats] = {}
+    pending_q: dict[int, np.ndarray] = {}
+
+    def cb(t: int, ask: bool, _ud: int) -> bool:
+        name = lib.ggml_get_name(t).decode()
+        if ask:
+            return name.startswith(("attn_q_in-", "attn_k_in-"))  # attn_v_in-: not needed here
+        a = _read_f32(lib, t)
+        if a is None:
+            return True
+        il = int(name.rsplit("-", 1)[1])
+        x = a[0].reshape(a.shape[1], a.shape[2], a.shape[3])  # [tokens, heads, head_dim]
+        if name.startswith("attn_k_in"):
+            st = stats.setdefault(il, LayerStats(x.shape[1], x.shape[2]))
+            st.add_k(x)
+            if il in pending_q:
+                st.add_q(pending_q.pop(il))
+        elif il in stats:
+            stats[il].add_q(x)
+        else:
+            pending_q[il] = x.copy()
+        return True
+
+    cb_c = L.ggml_backend_sched_eval_callback(cb)
+    import llama_cpp._logger as llog
+
+    level = llog.logger.level
+    if not verbose:
+        llog.set_verbose(False)  # llama.cpp's errors still print
+    try:
+        return _collect(L, lib, cb_c, stats, model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx,
+                        threads=threads, progress=progress)
+    finally:
+        llog.logger.setLevel(level)
+
+
+def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text: bytes, *, text_name: str,
+             n_tokens: int, n_ctx: int, threads: int | None, progress: bool) -> Calibration:
+    mp = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
+    if not mp:
+        raise ConvertError(f"llama.cpp could not load {model}", fix="see the log above")
+    try:
+        vocab = L.llama_model_get_vocab(mp)
+        n_ctx = max(64, min(n_ctx, L.llama_model_n_ctx_train(mp) or n_ctx))
+        bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
+
+        def tokenize(data: bytes) -> list[int]:
+            buf = (L.llama_token * (len(data) + 16))()
+            n = L.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)
+            return list(buf[:max(n, 0)])
+
+        ids = text_tokens(text, tokenize, n_tokens, text_name)
+        step = n_ctx - (1 if bos is not None else 0)
+        chunks = [ids[i:i + step] for i in range(0, len(ids), step)]
+        chunks = [c for c in chunks if len(c) >= 16]
+        cp = L.llama_context_default_params()
+        cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
+        cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 2
+        cp.type_k = cp.type_v = L.GGML_TYPE_F16
+        cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cp.cb_eval, cp.cb_eval_user_data = cb_c, None
+        ctx = L.llama_init_from_model(mp, cp)
+        if not ctx:
+            raise ConvertError(f"could not create a llama.cpp context for {model}", fix="see the log above")
+        try:
+            bar = _bar(sum(len(c) for c in chunks), progress)
+            for c in chunks:
+                toks = ([bos] if bos is not None else []) + c
+                arr = (L.llama_token * len(toks))(*toks)
+                L.llama_memory_clear(L.llama_get_memory(ctx), True)
+                if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks))) != 0:
+                    raise ConvertError("llama_decode failed during calibration", fix="see the log above")
+                bar.update(len(c))
+            bar.close()
+        finally:
+            L.llama_free(ctx)
+    finally:
+        L.llama_model_free(mp)
+    if not stats:
+        raise ConvertError(f"{model.name}: no attention layer wrote a K cache during calibration",
+                           fix="K calibration is for transformer models with a KV cache")
+    layers = sorted(stats)
+    if any(stats[il].q_absmax.max() == 0 for il in layers):
+        raise ConvertError("queries were not captured for every layer", fix="is this the patched llama.cpp?")
+    derived = [stats[il].derive() for il in layers]
+    return Calibration(layers, [d[0] for d in derived], [d[1] for d in derived],
+                       tokens=sum(len(c) for c in chunks), text_name=text_name,
+                       text_sha256=hashlib.sha256(text).hexdigest())
+
+
+def _bar(total: int, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", desc="calibrating K", disable=not enabled, leave=False)
+
+
+# --- GGUF rewrite (metadata only, data copied verbatim) -----------------------------------------------
+
+_GGUF_MAGIC = 0x46554747
+
+
+def _kv_bytes(key: str, value: Any) -> bytes:
+    from gguf import GGUFValueType as VT
+
+    def scalar(v: Any) -> tuple[int, bytes]:
+        if isinstance(v, str):
+            b = v.encode()
+            return VT.STRING, struct.pack("<Q", len(b)) + b
+        if isinstance(v, (bool, np.bool_)):
+            return VT.BOOL, struct.pack("<?", bool(v))
+        if isinstance(v, (int, np.integer)):
+            return VT.UINT32, struct.pack("<I", int(v))
+        return VT.FLOAT32, struct.pack("<f", float(v))
+
+    kb = key.encode()
+    head = struct.pack("<Q", len(kb)) + kb
+    if isinstance(value, np.ndarray):
+        sub = {np.dtype(np.float32): VT.FLOAT32, np.dtype(np.int32): VT.INT32}[value.dtype]
+        return head + struct.pack("<IIQ", VT.ARRAY, sub, value.size) + value.astype(value.dtype.newbyteorder("<")).tobytes()
+    vt, vb = scalar(value)
+    return head + struct.pack("<I", vt) + vb
+
+
+def _field_span(f: Any) -> tuple[int, int]:
+    return f.offset, f.offset + sum(int(p.nbytes) for p in f.parts)
+
+
+def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefix: str = PREFIX,
+                     progress: bool = True) -> None:
+    """Copy src to dst (atomically) with keys under drop_prefix removed and set_kv added."""
+    from gguf import GGUFReader
+
+    try:
+        r = GGUFReader(src)
+    except Exception as e:  # noqa: BLE001
+        raise ConvertError(f"{src} is not a readable GGUF file ({type(e).__name__}: {e})",
+                           fix="check it was written by a llama.cpp of this tree") from None
+    keep = [f for k, f in r.fields.items() if not k.startswith("GGUF.") and not k.startswith(drop_prefix)]
+    n_kv = len(keep) + len(set_kv)
+    align_f = r.fields.get("general.alignment")
+    align = int(align_f.contents()) if align_f is not None else 32
+    ti = [_field_span(t.field) for t in r.tensors]
+    ti_start, ti_end = (min(a for a, _ in ti), max(b for _, b in ti)) if ti else (0, 0)
+    version = int(r.fields["GGUF.version"].contents())
+
+    dst = Path(dst)
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".partial")
+    try:
+        with os.fdopen(fd, "wb") as out, open(src, "rb") as fin:
+            out.write(struct.pack("<IIQQ", _GGUF_MAGIC, version, len(r.tensors), n_kv))
+            for f in keep:
+                a, b = _field_span(f)
+                fin.seek(a)
+                out.write(fin.read(b - a))
+            for k, v in set_kv.items():
+                out.write(_kv_bytes(k, v))
+            if ti:
+                fin.seek(ti_start)
+                out.write(fin.read(ti_end - ti_start))
+            out.write(b"\0" * (-out.tell() % align))
+            fin.seek(r.data_offset)
+            total = os.path.getsize(src) - r.data_offset
+            bar = _bar(total, progress)
+            bar.unit, bar.desc = "B", "writing"
+            while chunk := fin.read(1 << 24):
+                out.write(chunk)
+                bar.update(len(chunk))
+            bar.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_calibration(path: Path) -> dict[str, Any] | None:
+    """The rotaryquant.k_center.* keys of a GGUF (None when it has none)."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(path)
+    out = {k[len(PREFIX):]: f.contents() for k, f in r.fields.items() if k.startswith(PREFIX)}
+    return out or None
+
+
+def calibrate(model: str | Path, output: str | Path | None = None, *, text: str | Path | None = None,
+              n_tokens: int = DEFAULT_TOKENS, n_ctx: int = 2048, threads: int | None = None,
+              progress: bool = True, verbose: bool = False) -> tuple[Path, Calibration]:
+    """Measure mu/lam for a GGUF model and write them into output (default: the model, in place)."""
+    model = Path(model).expanduser()
+    if not model.is_file():
+        raise ConvertError(f"model {model} does not exist", fix="give the path of a .gguf file")
+    out = Path(output).expanduser() if output else model
+    if out.is_dir() or not out.parent.is_dir():
+        raise ConvertError(f"cannot write {out}", fix="give a file name in an existing folder")
+    check_model(model)
+    if text is None:
+        from rotaryquant.eval.data import calibration_text
+
+        text = calibration_text()
+    text = Path(text).expanduser()
+    if not text.is_file():
+        raise ConvertError(f"calibration text {text} does not exist", fix="give a UTF-8 text file with -f")
+    if n_tokens < MIN_TOKENS:
+        raise ConvertError(f"--tokens {n_tokens} is below the minimum {MIN_TOKENS}", fix=f"use --tokens {MIN_TOKENS} or more")
+    # the text's first 4 bytes per token is ample to reach n_tokens
+    data = text.read_bytes()[: max(n_tokens, MIN_TOKENS) * 16]
+    cal = collect(model, data, text_name=text.name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
+                  progress=progress, verbose=verbose)
+    rewrite_metadata(model, out, cal.metadata(), progress=progress)
+    return out, cal
+
+
+def summary(cal: Calibration) -> Iterable[str]:
+    """Lines for the user: how much of K each layer's constant part was."""
+    for il, mu, lam in zip(cal.layers, cal.mu, cal.lam):
+        yield (f"layer {il:3d}: |mu| {float(np.linalg.norm(mu, axis=1).mean()):8.3f}  "
+               f"lam {float(lam.min()):.3g}..{float(lam.max()):.3g}")
