@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from rotaryquant import assets, paths
+from rotaryquant.bindings import RQTypeError
 from rotaryquant.eval import kvbench
 
 
@@ -16,7 +17,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="GGUF model (default: the embedded Gemma3-270M, head size 256)")
     ap.add_argument("--depths", default="0,2048,8192", help="prefilled KV depths, comma-separated (default: %(default)s)")
     ap.add_argument("--types", default=",".join(c[0] for c in kvbench.DEFAULT_CONFIGS),
-                    help="configurations: f16, q8_0, q4_0, isoquant3_0, isoquant3_0-unfused (default: all)")
+                    help="configurations, each a cache spec (q8_0, q8_0/isoquant3_0, isoquant3_0+calib: with the "
+                         "model's K calibration) with an optional -unfused suffix (default: %(default)s)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed (default: %(default)s)")
     ap.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens timed (default: %(default)s)")
     ap.add_argument("-r", "--reps", type=int, default=2, help="repetitions (default: %(default)s)")
@@ -28,15 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         model = ns.model or assets.model_path(assets.ISO_MODEL)
         if not model.exists():
             raise kvbench.BenchError(f"model {model} does not exist")
-        known = {c[0]: c for c in kvbench.DEFAULT_CONFIGS}
-        wanted = [t.strip() for t in ns.types.split(",") if t.strip()]
-        bad = [t for t in wanted if t not in known]
-        if bad:
-            raise kvbench.BenchError(f"unknown configuration(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        configs = [kvbench.config(t.strip()) for t in ns.types.split(",") if t.strip()]
         depths = [int(d) for d in ns.depths.split(",")]
-        res = kvbench.bench(model, configs=[known[t] for t in wanted], depths=depths, n_prompt=ns.n_prompt,
+        res = kvbench.bench(model, configs=configs, depths=depths, n_prompt=ns.n_prompt,
                             n_gen=ns.n_gen, reps=ns.reps, threads=ns.threads)
-    except (assets.AssetError, kvbench.BenchError, ValueError) as e:
+    except (assets.AssetError, kvbench.BenchError, ValueError, RQTypeError) as e:
         print(f"rq-bench: error: {e}", file=sys.stderr)
         return 1
     ns.out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,14 @@ DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
 )
 
 # bytes per value of each cache type (type_size / block_size)
-BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "f32": 4.0}
+BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "isoquant4_0": 66 / 128,
+                   "f32": 4.0}
+
+
+def config(spec: str) -> tuple[str, str, bool]:
+    """(label, cache type, unfused) for a --types entry: a cache spec, optionally with -unfused."""
+    base = spec[: -len("-unfused")] if spec.endswith("-unfused") else spec
+    return spec, kvtypes.validate(base), base != spec
 
 
 class BenchError(RuntimeError):
@@ -106,6 +113,9 @@ def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list
            "-t", str(threads), "-o", "json", "--no-warmup"]
     env = dict(os.environ)
     env.pop("LLAMA_ISOQUANT_UNFUSED", None)
+    env.pop("LLAMA_K_CENTER", None)
+    if not kvtypes.k_center(cache_type):
+        env["LLAMA_K_CENTER"] = "0"  # "+calib" runs use the model's calibration (when it has one)
     if unfused:
         env["LLAMA_ISOQUANT_UNFUSED"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -154,6 +164,12 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
             q4 = next((b for b in rows if b.label == "q4_0" and b.depth == r.depth), None)
             if q4 and q4.tg_tps and r.tg_tps:
                 r.extra["tg_vs_q4_0"] = r.tg_tps / q4.tg_tps
+        if r.label.endswith(kvtypes.CALIB):
+            plain = next((b for b in rows if b.label == r.label[: -len(kvtypes.CALIB)] and b.depth == r.depth), None)
+            if plain and plain.tg_tps and r.tg_tps:
+                r.extra["tg_calib_over_plain"] = r.tg_tps / plain.tg_tps
+            if plain and plain.pp_tps and r.pp_tps:
+                r.extra["pp_calib_over_plain"] = r.pp_tps / plain.pp_tps
     return {
         "model": model.name,
         "kv_shape": asdict(shape),
@@ -183,4 +199,12 @@ def to_markdown(res: dict) -> str:
         e = r["extra"]
         lines.append(f"| {r['label']} | {r['depth']} | {r['kv_bytes_per_token']:.0f} | {f(r['pp_tps'])} | {f(r['tg_tps'])} "
                      f"| {f(e.get('tg_vs_f16'), 2)} | {f(e.get('tg_fused_over_unfused'), 2)} | {f(e.get('tg_vs_q4_0'), 2)} |")
+    calib = [r for r in res["rows"] if "tg_calib_over_plain" in r["extra"]]
+    if calib:
+        lines += ["", "K centring cost (a \"+calib\" row over the same cache without it, same run):", "",
+                  "| cache | depth | tg calib/plain | pp calib/plain |", "|---|---:|---:|---:|"]
+        for r in sorted(calib, key=lambda r: (r["depth"], r["label"])):
+            e = r["extra"]
+            lines.append(f"| {r['label']} | {r['depth']} | {f(e.get('tg_calib_over_plain'), 3)} "
+                         f"| {f(e.get('pp_calib_over_plain'), 3)} |")
     return "\n".join(lines) + "\n"

@@ -95,6 +95,8 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
     cmd = [str(tools.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
            "-c", str(ctx_per_slot * parallel), "--parallel", str(parallel), "-t", str(threads), "-fa", "on",
            "-ctk", k, "-ctv", v, "--no-webui", "--metrics", *(extra or [])]
+    if not kvtypes.k_center(cache):
+        cmd.append("--no-k-center")
     e = {kk: vv for kk, vv in os.environ.items() if not kk.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
     e.update(env or {})
     # the log goes to a file: an unread pipe fills up (64 KiB) and then blocks the server's main loop,

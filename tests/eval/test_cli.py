@@ -16,7 +16,7 @@ def _run(*args):
     (["rotaryquant.eval.cli", "ppl", "--kv", "q8_0,isoquant9"], "unknown ggml type 'isoquant9'"),
     (["rotaryquant.eval.cli", "niah", "--model", "/nonexistent.gguf"], "does not exist"),
     (["rotaryquant.eval.cli", "gate", "--kv", "f17"], "unknown ggml type 'f17'"),
-    (["rotaryquant.eval.bench_cli", "--types", "f16,q9_9"], "unknown configuration"),
+    (["rotaryquant.eval.bench_cli", "--types", "f16,q9_9"], "unknown ggml type 'q9_9'"),
     (["rotaryquant.eval.bench_cli", "--model", "/nonexistent.gguf"], "does not exist"),
 ])
 def test_bad_arguments(args, message):

@@ -216,3 +216,14 @@ def test_calibration_of_another_model_is_refused_at_load(bin_dir, gemma3, smol_c
     proc = _complete(bin_dir, wrong, ["-ctk", "q8_0"])
     assert proc.returncode != 0
     assert "belongs to another model" in proc.stderr and "rq-calibrate" in proc.stderr
+
+
+def test_server_slots_under_load_answer_as_alone(gemma3_cal):
+    # 4 slots decoding side by side share the per-layer mu/lam; in the deterministic setting every
+    # answer under load equals the same request sent alone, as without calibration (test_serve.py)
+    from rotaryquant.eval import serve
+
+    r = serve.load_test(gemma3_cal, cache="isoquant3_0+calib", clients=4, per_client=2, n_predict=24,
+                        deterministic=True, progress=lambda *_: None)
+    assert r.requests == 8 and r.failures == 0 and r.empty == 0
+    assert r.mismatches == 0, r.examples

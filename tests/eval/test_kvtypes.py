@@ -1,0 +1,22 @@
+"""rotaryquant.eval.kvtypes and the bench configurations: cache specs with a +calib suffix."""
+
+from __future__ import annotations
+
+import pytest
+
+from rotaryquant.bindings import RQTypeError
+from rotaryquant.eval import kvbench, kvtypes
+
+
+def test_specs_split_and_carry_the_calibration_switch():
+    assert kvtypes.split("q8_0/isoquant3_0+calib") == ("q8_0", "isoquant3_0")
+    assert kvtypes.split("q4_0") == ("q4_0", "q4_0")
+    assert kvtypes.k_center("isoquant3_0+calib") and not kvtypes.k_center("isoquant3_0")
+    assert kvtypes.uses_iso("q8_0/isoquant3_0+calib") and not kvtypes.uses_iso("q4_0+calib")
+    with pytest.raises(RQTypeError):
+        kvtypes.validate("q5_9+calib")
+
+
+def test_bench_configs_from_specs():
+    assert kvbench.config("isoquant3_0-unfused") == ("isoquant3_0-unfused", "isoquant3_0", True)
+    assert kvbench.config("q4_0+calib") == ("q4_0+calib", "q4_0+calib", False)
