@@ -32,7 +32,7 @@ DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
 )
 
 # bytes per value of each cache type (type_size / block_size)
-BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "f32": 4.0}
+BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "isoquant4_0": 66 / 128, "f32": 4.0}
 
 
 class BenchError(RuntimeError):

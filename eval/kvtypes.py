@@ -1,5 +1,7 @@
 """KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type)."""
 
+ISO_TYPES = ("isoquant3_0", "isoquant4_0")  # the IsoQuant KV types (fused attention, unfused switch)
+
 from __future__ import annotations
 
 
@@ -17,4 +19,4 @@ def validate(spec: str) -> str:
 
 
 def uses_iso(spec: str) -> bool:
-    return "isoquant3_0" in split(spec)
+    return any(t in ISO_TYPES for t in split(spec))
