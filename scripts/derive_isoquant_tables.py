@@ -383,30 +383,20 @@ def render_py(t: dict) -> str:
         out.append("    " + " ".join((f"{v:.1f},").rjust(5) for v in t["signs"][r:r + 16]))
     out.append("]")
     out.append("")
-    out.append("CODEBOOK = [")
-    for v in t["codebook"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
-    out.append("")
-    out.append("BOUNDS = [")
-    for v in t["bounds"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
-    out.append("")
+    def float_list(name, values):
+        out.append(f"{name} = [")
+        out.extend(f"    {_py_float(v)}," for v in values)
+        out.append("]")
+        out.append("")
+
+    float_list("CODEBOOK", t["codebook"])
+    float_list("BOUNDS", t["bounds"])
     cb4 = t["cb4"]
     out.append(f"# ISOQUANT4_0: the {NLEVELS4}-level Lloyd-Max quantizer of the same density")
     out.append(f"LLOYD_MSE_PER_COORD4 = {float('%.6e' % cb4['mse_per_coord'])!r}")
     out.append("")
-    out.append("CODEBOOK4 = [")
-    for v in cb4["codebook"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
-    out.append("")
-    out.append("BOUNDS4 = [")
-    for v in cb4["bounds"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
-    out.append("")
+    float_list("CODEBOOK4", cb4["codebook"])
+    float_list("BOUNDS4", cb4["bounds"])
     out.append("# unit quaternions (w, x, y, z) per group, float64 (reference): [q_L, q_R]")
     out.append("QUATERNIONS = [")
     for g in range(NGROUPS):

@@ -123,21 +123,13 @@ template <int BITS> struct rq_iso_fmt;
 template <> struct rq_iso_fmt<3> { using block = block_isoquant3_0; static constexpr ggml_type type = GGML_TYPE_ISOQUANT3_0; };
 template <> struct rq_iso_fmt<4> { using block = block_isoquant4_0; static constexpr ggml_type type = GGML_TYPE_ISOQUANT4_0; };
 
-template <int BITS>
+// codebook level i, or (BOUND) decision threshold i, of the BITS-bit codebook
+template <int BITS, bool BOUND = false>
 static __device__ __forceinline__ float rq_iso_level(const int i) {
     if constexpr (BITS == 3) {
-        return iq3_codebook[i];
+        return BOUND ? iq3_bounds[i] : iq3_codebook[i];
     } else {
-        return iq4_codebook[i];
-    }
-}
-
-template <int BITS>
-static __device__ __forceinline__ float rq_iso_bound(const int k) {
-    if constexpr (BITS == 3) {
-        return iq3_bounds[k];
-    } else {
-        return iq4_bounds[k];
+        return BOUND ? iq4_bounds[i] : iq4_codebook[i];
     }
 }
 

@@ -52,7 +52,7 @@ static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], ty
         int idx = 0;
 #pragma unroll
         for (int k = 0; k < (1 << BITS) - 1; ++k) {
-            idx += v[e] > rq_iso_bound<BITS>(k);
+            idx += v[e] > rq_iso_level<BITS, true>(k);
         }
         bits |= (uint32_t) idx << (BITS*e);
         const double cd = (double) rq_iso_level<BITS>(idx);
