@@ -93,6 +93,7 @@ int main() {
 
     const int n_head = 4, n_head_kv = 2;
     const ggml_type I3 = GGML_TYPE_ISOQUANT3_0, I4 = GGML_TYPE_ISOQUANT4_0;
+    double sum_e4 = 0.0, sum_e3 = 0.0; // attention errors vs F32 of both widths on the same data
     for (ggml_type it : {I3, I4})
     for (int hs : {128, 256}) {
         for (int n_kv : {1, 7, 300}) {
@@ -156,15 +157,20 @@ int main() {
                 const std::vector<float> exact = attend(GGML_TYPE_F32, GGML_TYPE_F32, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
                 const std::vector<float> iso   = attend(it, it, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
                 const double eq = rel_err(iso, exact);
-                CHECK(eq < (it == I3 ? 0.5 : 0.3), "%s hs=%d n_kv=%d n_q=%d: attention rel err %.3g vs F32", tn, hs, n_kv, n_q, eq);
+                CHECK(eq < (it == I3 ? 0.5 : 0.4), "%s hs=%d n_kv=%d n_q=%d: attention rel err %.3g vs F32", tn, hs, n_kv, n_q, eq);
                 if (it == I4) {
-                    // and 4 bits must beat 3 bits on the same data
+                    // and 4 bits must beat 3 bits on the same data (measured: 0.45-0.6x, once 0.9x)
                     const double e3 = rel_err(attend(I3, I3, q, k, v, hs, n_q, n_head, n_kv, n_head_kv), exact);
                     CHECK(eq < e3, "hs=%d n_kv=%d n_q=%d: 4-bit attention (%.3g) not better than 3-bit (%.3g)", hs, n_kv, n_q, eq, e3);
+                    sum_e4 += eq;
+                    sum_e3 += e3;
                 }
             }
         }
     }
+
+    // the 4-bit codebook's noise is half the 3-bit one's (sqrt of the MSE ratio 0.0093/0.034 = 0.52)
+    CHECK(sum_e4 < 0.7*sum_e3, "4-bit attention error %.3g is not well below 3-bit %.3g (summed over cases)", sum_e4, sum_e3);
 
     // the ablation switch really skips the inverse rotation (output stays in the rotated domain)
     {
