@@ -2,6 +2,7 @@
 #pragma once
 
 #include "rq-cuda.cuh"
+#include "ggml-rq.h"
 
 #define RQ_WARPS_PER_BLOCK 4 // kernels that give one warp to one quant block use 4 warps per CUDA block
 
