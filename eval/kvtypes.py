@@ -1,8 +1,8 @@
 """KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type)."""
 
-ISO_TYPES = ("isoquant3_0", "isoquant4_0")  # the IsoQuant KV types (fused attention, unfused switch)
-
 from __future__ import annotations
+
+ISO_TYPES = ("isoquant3_0", "isoquant4_0")  # the IsoQuant KV types (fused attention, unfused switch)
 
 
 def split(spec: str) -> tuple[str, str]:
