@@ -6,6 +6,7 @@ set-up installs it on top of our build, so nothing here replaces it.
 
 from rotaryquant.bindings.ggml import (
     COUNTERS,
+    ISO_TYPES,
     GGMLType,
     RQTypeError,
     counters,
@@ -29,7 +30,7 @@ from rotaryquant.bindings.ggml import (
 from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
-    "COUNTERS", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
+    "COUNTERS", "ISO_TYPES", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
     "iso_variant", "k_center", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
     "set_iso_unfused", "set_iso_variant", "set_k_center", "type_from_name", "type_name", "type_names",
 ]

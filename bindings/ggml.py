@@ -39,9 +39,11 @@ class GGMLType(IntEnum):
     BF16 = 30
     ISOQUANT3_0 = 240
     ITQ3_S = 241
+    ISOQUANT4_0 = 244
 
 
-COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")  # both IsoQuant types
+ISO_TYPES = ("isoquant3_0", "isoquant4_0")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
 

@@ -11,6 +11,9 @@ def k_center(spec: str) -> bool:
     return spec.strip().endswith(CALIB)
 
 
+ISO_TYPES = ("isoquant3_0", "isoquant4_0")  # the IsoQuant KV types (fused attention, unfused switch)
+
+
 def split(spec: str) -> tuple[str, str]:
     s = spec.strip()
     s = s[: -len(CALIB)] if s.endswith(CALIB) else s
@@ -27,4 +30,4 @@ def validate(spec: str) -> str:
 
 
 def uses_iso(spec: str) -> bool:
-    return any(t.startswith("isoquant") for t in split(spec))
+    return any(t in ISO_TYPES for t in split(spec))

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Derive the offline constant tables of the ISOQUANT3_0 KV-cache type.
+"""Derive the offline constant tables of the ISOQUANT3_0 / ISOQUANT4_0 KV-cache types.
 
 Deterministic.  Usage (from the repository root):
 
@@ -18,6 +18,8 @@ What is derived
   half is iterated and mirrored, hence the middle boundary is exactly 0.
   Centroids are rounded to float32; boundaries are float32((c_k+c_{k+1})/2)
   computed in float64 from the float64 centroids.
+* ``iq4_codebook[16]``, ``iq4_bounds[15]``: the same derivation with 16 levels
+  (4-bit, ISOQUANT4_0); rotation, signs and scale are shared with the 3-bit type.
 * ``iq3_so4[32][16]``: for each of the 32 groups of 4 coordinates the
   row-major 4x4 matrix of v -> q_L * v * conj(q_R) (Hamilton product, v as
   the quaternion (w, x, y, z)), with (q_L, q_R) uniform on S^3 drawn from
@@ -51,7 +53,8 @@ from scipy import integrate, special
 SEED = 20260808
 DIM = 128
 NGROUPS = DIM // 4
-NLEVELS = 8
+NLEVELS = 8     # ISOQUANT3_0
+NLEVELS4 = 16   # ISOQUANT4_0
 LLOYD_MAX_ITERS = 100_000
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,11 +102,11 @@ def lloyd_step(c_pos: np.ndarray) -> np.ndarray:
                      for k in range(len(c_pos))])
 
 
-def lloyd_max() -> tuple[np.ndarray, int, float]:
-    """Return (float64 centroids ascending [8], iterations, final step size)."""
+def lloyd_max(nlevels: int = NLEVELS) -> tuple[np.ndarray, int, float]:
+    """Return (float64 centroids ascending [nlevels], iterations, final step size)."""
     sigma = 1.0 / math.sqrt(DIM)
-    # start from a uniform grid; Lloyd is globally convergent for log-concave f
-    c_pos = sigma * np.array([0.5, 1.5, 2.5, 3.5])
+    # start from a uniform grid spanning +-4 sigma; Lloyd is globally convergent for log-concave f
+    c_pos = sigma * (8.0 / nlevels) * (np.arange(nlevels // 2) + 0.5)
     step = float("inf")
     it = 0
     for it in range(1, LLOYD_MAX_ITERS + 1):
@@ -224,15 +227,28 @@ def hadamard() -> np.ndarray:
 # derivation + rendering
 # --------------------------------------------------------------------------
 
-def derive() -> dict:
-    cb64, iters, last_step = lloyd_max()
+def codebook(nlevels: int) -> dict:
+    """Lloyd-Max codebook with nlevels levels: float32 tables and the derivation log."""
+    cb64, iters, last_step = lloyd_max(nlevels)
     cb32 = cb64.astype(np.float32)
     bnd32 = (0.5 * (cb64[:-1] + cb64[1:])).astype(np.float32)
-    mse64 = quantizer_mse(cb64, 0.5 * (cb64[:-1] + cb64[1:]))
-    mse32 = quantizer_mse(cb32.astype(np.float64), bnd32.astype(np.float64))
-    mse_quad = quantizer_mse_quad(cb64, 0.5 * (cb64[:-1] + cb64[1:]))
     # fixed-point residual of the float64 codebook
-    resid = float(np.max(np.abs(lloyd_step(cb64[NLEVELS // 2:]) - cb64[NLEVELS // 2:])))
+    resid = float(np.max(np.abs(lloyd_step(cb64[nlevels // 2:]) - cb64[nlevels // 2:])))
+    return {
+        "codebook_f64": cb64,
+        "codebook": cb32,
+        "bounds": bnd32,
+        "iterations": iters,
+        "last_step": last_step,
+        "fixed_point_residual": resid,
+        "mse_per_coord": quantizer_mse(cb64, 0.5 * (cb64[:-1] + cb64[1:])),
+        "mse_per_coord_f32": quantizer_mse(cb32.astype(np.float64), bnd32.astype(np.float64)),
+        "mse_per_coord_quad": quantizer_mse_quad(cb64, 0.5 * (cb64[:-1] + cb64[1:])),
+    }
+
+
+def derive() -> dict:
+    cb3 = codebook(NLEVELS)
 
     q = quaternions()
     so4 = np.stack([so4_matrix(q[g, 0], q[g, 1]) for g in range(NGROUPS)])
@@ -252,22 +268,15 @@ def derive() -> dict:
     assert dc_max < 0.5, dc_max
 
     return {
+        **cb3,
+        "cb4": codebook(NLEVELS4),
         "signs": s,
         "signs_dc_max": dc_max,
         "signs_nneg": int(np.sum(s < 0)),
-        "codebook_f64": cb64,
-        "codebook": cb32,
-        "bounds": bnd32,
         "so4": so4.astype(np.float32).reshape(NGROUPS, 16),
         "so3": so3.astype(np.float32).reshape(NGROUPS, 16),
         "quats": q,
         "wht_scale": np.float32(1.0 / math.sqrt(DIM)),
-        "iterations": iters,
-        "last_step": last_step,
-        "fixed_point_residual": resid,
-        "mse_per_coord": mse64,
-        "mse_per_coord_f32": mse32,
-        "mse_per_coord_quad": mse_quad,
     }
 
 
@@ -301,6 +310,9 @@ def render_c(t: dict) -> str:
     out.append(" *                 R = SO4 . WHT . diag(S): rotate t[i] = x[i] * iq3_signs[i] before the")
     out.append(" *                 WHT; the inverse multiplies by it after the final WHT scaling (v3, v1)")
     out.append(" *   iq3_wht_scale: float32(1/sqrt(128))")
+    out.append(" *   iq4_codebook, iq4_bounds: the 16-level (4-bit) Lloyd-Max quantizer of the same")
+    out.append(f" *                 density for GGML_TYPE_ISOQUANT4_0 (per-coordinate MSE {t['cb4']['mse_per_coord']:.6e},")
+    out.append(f" *                 relative MSE per vector {DIM * t['cb4']['mse_per_coord']:.5f}); rotation as above")
     out.append(" */")
     out.append("#pragma once")
     out.append("")
@@ -331,13 +343,24 @@ def render_c(t: dict) -> str:
                 out.append("        " + " ".join(_c_float(v) + "," for v in m[4 * r:4 * r + 4]))
             out.append("    },")
         out.append("};")
+    cb4 = t["cb4"]
+    out.append("")
+    out.append(f"static const float iq4_codebook[{NLEVELS4}] = {{")
+    for r in range(0, NLEVELS4, 4):
+        out.append("    " + ", ".join(_c_float(v) for v in cb4["codebook"][r:r + 4]) + ",")
+    out.append("};")
+    out.append("")
+    out.append(f"static const float iq4_bounds[{NLEVELS4 - 1}] = {{")
+    for r in range(0, NLEVELS4 - 1, 4):
+        out.append("    " + ", ".join(_c_float(v) for v in cb4["bounds"][r:r + 4]) + ",")
+    out.append("};")
     out.append("")
     return "\n".join(out)
 
 
 def render_py(t: dict) -> str:
     out = []
-    out.append('"""Constant tables of the ISOQUANT3_0 KV-cache type (GENERATED - DO NOT EDIT).')
+    out.append('"""Constant tables of the ISOQUANT3_0/4_0 KV-cache types (GENERATED - DO NOT EDIT).')
     out.append("")
     out.append(f"Generated by `{COMMAND}`;")
     out.append(f"verify with `{COMMAND} --check`.")
@@ -360,16 +383,20 @@ def render_py(t: dict) -> str:
         out.append("    " + " ".join((f"{v:.1f},").rjust(5) for v in t["signs"][r:r + 16]))
     out.append("]")
     out.append("")
-    out.append("CODEBOOK = [")
-    for v in t["codebook"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
+    def float_list(name, values):
+        out.append(f"{name} = [")
+        out.extend(f"    {_py_float(v)}," for v in values)
+        out.append("]")
+        out.append("")
+
+    float_list("CODEBOOK", t["codebook"])
+    float_list("BOUNDS", t["bounds"])
+    cb4 = t["cb4"]
+    out.append(f"# ISOQUANT4_0: the {NLEVELS4}-level Lloyd-Max quantizer of the same density")
+    out.append(f"LLOYD_MSE_PER_COORD4 = {float('%.6e' % cb4['mse_per_coord'])!r}")
     out.append("")
-    out.append("BOUNDS = [")
-    for v in t["bounds"]:
-        out.append(f"    {_py_float(v)},")
-    out.append("]")
-    out.append("")
+    float_list("CODEBOOK4", cb4["codebook"])
+    float_list("BOUNDS4", cb4["bounds"])
     out.append("# unit quaternions (w, x, y, z) per group, float64 (reference): [q_L, q_R]")
     out.append("QUATERNIONS = [")
     for g in range(NGROUPS):
@@ -393,9 +420,10 @@ def render_py(t: dict) -> str:
     return "\n".join(out)
 
 
-def report(t: dict) -> str:
-    lines = [
-        f"Lloyd-Max: {t['iterations']} iterations, last step {t['last_step']:.3e}, "
+def _report_codebook(t: dict) -> list[str]:
+    n = len(t["codebook"])
+    return [
+        f"{n} levels: Lloyd-Max: {t['iterations']} iterations, last step {t['last_step']:.3e}, "
         f"fixed-point residual {t['fixed_point_residual']:.3e}",
         f"per-coordinate MSE  closed form {t['mse_per_coord']:.12e}",
         f"                    quadrature  {t['mse_per_coord_quad']:.12e}",
@@ -404,6 +432,11 @@ def report(t: dict) -> str:
         "codebook (float32): " + ", ".join("%.9g" % v for v in t["codebook"]),
         "bounds   (float32): " + ", ".join("%.9g" % v for v in t["bounds"]),
         "codebook x sqrt(128): " + ", ".join("%.5f" % (v * math.sqrt(DIM)) for v in t["codebook_f64"]),
+    ]
+
+
+def report(t: dict) -> str:
+    lines = _report_codebook(t) + _report_codebook(t["cb4"]) + [
         "signs S: " + "".join("+" if v > 0 else "-" for v in t["signs"])
         + f"  ({t['signs_nneg']} negative; max |WHT(S)|/||S|| = {t['signs_dc_max']:.4f})",
     ]

@@ -1,6 +1,6 @@
 #pragma once
 
-// RotaryQuant additions to ggml: the ISOQUANT3_0 KV-cache type, the ITQ3_S weight type,
+// RotaryQuant additions to ggml: the ISOQUANT3_0/ISOQUANT4_0 KV-cache types, the ITQ3_S weight type,
 // process-wide counters that show which attention path ran, and research switches.
 // Lives in this repo (ggml-patches/include) and is linked into ggml/include by the build.
 
@@ -14,16 +14,26 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 1
+#define GGML_RQ_VERSION 2   // 2: GGML_TYPE_ISOQUANT4_0
 
 GGML_API int ggml_rq_version(void);
 
-// counters (relaxed atomics, process-wide)
+// the IsoQuant KV-cache types: the same rotation and norm-preserving scale, a 3- or 4-bit codebook
+static inline bool ggml_rq_type_is_iso(enum ggml_type type) {
+    return type == GGML_TYPE_ISOQUANT3_0 || type == GGML_TYPE_ISOQUANT4_0;
+}
+
+// index width of an IsoQuant type (3 or 4), 0 for any other type
+static inline int ggml_rq_iso_bits(enum ggml_type type) {
+    return type == GGML_TYPE_ISOQUANT3_0 ? 3 : type == GGML_TYPE_ISOQUANT4_0 ? 4 : 0;
+}
+
+// counters (relaxed atomics, process-wide); "IsoQuant" = ISOQUANT3_0 and ISOQUANT4_0 together
 enum ggml_rq_counter {
-    GGML_RQ_ISO_DEQUANT_ROWS = 0, // ISOQUANT3_0 blocks (128 values) turned back into floats, by anyone
-    GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read ISOQUANT3_0 K/V in the rotated domain
-    GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with ISOQUANT3_0 K/V that took the generic path
-    GGML_RQ_ISO_QUANT_ROWS,       // ISOQUANT3_0 blocks written (quantised)
+    GGML_RQ_ISO_DEQUANT_ROWS = 0, // IsoQuant blocks (128 values) turned back into floats, by anyone
+    GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read IsoQuant K/V in the rotated domain
+    GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
+    GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
     GGML_RQ_COUNTER_COUNT,
 };
 
@@ -32,7 +42,7 @@ GGML_API void         ggml_rq_counter_add (enum ggml_rq_counter c, uint64_t n);
 GGML_API void         ggml_rq_counters_reset(void);
 GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
 
-// unfused IsoQuant attention: cast ISOQUANT3_0 K/V to F16 before flash attention
+// unfused IsoQuant attention: cast IsoQuant K/V to F16 before flash attention
 // (reconstruct-then-compute, the baseline the paper compares against). Read by llama at context
 // creation; also set by the environment variable LLAMA_ISOQUANT_UNFUSED=1.
 GGML_API void ggml_rq_set_iso_unfused(bool unfused);
@@ -70,6 +80,8 @@ GGML_API void ggml_rq_iso_rotate_inv(const float * y, float * x);
 
 // the 3-bit Lloyd-Max codebook for a coordinate of a rotated unit 128-vector
 GGML_API const float * ggml_rq_iso_codebook(void);
+// the codebook of `bits`-bit indices (3: 8 levels, ISOQUANT3_0; 4: 16 levels, ISOQUANT4_0)
+GGML_API const float * ggml_rq_iso_codebook_bits(int bits);
 
 #ifdef __cplusplus
 }

@@ -1,4 +1,4 @@
-// ISOQUANT3_0 reference quantiser/dequantiser, the IsoQuant rotation, counters and switches.
+// ISOQUANT3_0/ISOQUANT4_0 reference quantisers/dequantisers, the IsoQuant rotation, counters and switches.
 // Part of ggml-base. Compiled with -ffp-contract=off: the numpy reference in
 // rotaryquant/quants/isoquant.py follows the same operation order and matches bit for bit.
 //
@@ -145,6 +145,11 @@ const float * ggml_rq_iso_codebook(void) {
     return iq3_codebook;
 }
 
+const float * ggml_rq_iso_codebook_bits(int bits) {
+    GGML_ASSERT(bits == 3 || bits == 4);
+    return bits == 3 ? iq3_codebook : iq4_codebook;
+}
+
 // ---------------------------------------------------------------------------------------------
 // the rotation R = SO4 o WHT (variant v3), exact operation order shared with numpy
 
@@ -217,7 +222,7 @@ void ggml_rq_iso_rotate_inv(const float * y, float * x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// ISOQUANT3_0
+// ISOQUANT3_0 / ISOQUANT4_0: one implementation, `bits` = 3 or 4 selects the codebook and the packing
 
 // sum of squares as a fixed float64 tree (the order the numpy and CUDA versions use)
 static double iq3_tree_sumsq(const float * GGML_RESTRICT x) {
@@ -233,20 +238,22 @@ static double iq3_tree_sumsq(const float * GGML_RESTRICT x) {
     return a[0];
 }
 
-static inline int iq3_index(float y) {
-    int idx = 0;
-    for (int k = 0; k < 7; ++k) {
-        idx += y > iq3_bounds[k];
-    }
-    return idx;
+// the block of `bits`-bit indices: d (fp16) then QK_ISO*bits/8 bytes; both block structs have this layout
+static inline size_t iso_block_size(int bits) {
+    return sizeof(ggml_half) + QK_ISO*bits/8;
 }
 
-void quantize_row_isoquant3_0_ref(const float * GGML_RESTRICT x, block_isoquant3_0 * GGML_RESTRICT y, int64_t k) {
+static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits) {
     assert(k % QK_ISO == 0);
     const int64_t nb = k / QK_ISO;
+    const float * cb   = ggml_rq_iso_codebook_bits(bits);
+    const float * bnd  = bits == 3 ? iq3_bounds : iq4_bounds;
+    const int     nbnd = (1 << bits) - 1;
 
     for (int64_t ib = 0; ib < nb; ++ib) {
-        const float * xb = x + ib*QK_ISO;
+        const float * xb  = x + ib*QK_ISO;
+        uint8_t     * blk = y + ib*iso_block_size(bits);
+        uint8_t     * qs  = blk + sizeof(ggml_half);
         const double sd = sqrt(iq3_tree_sumsq(xb));
 
         float xh[QK_ISO];
@@ -260,33 +267,42 @@ void quantize_row_isoquant3_0_ref(const float * GGML_RESTRICT x, block_isoquant3
         for (int g = 0; g < QK_ISO/8; ++g) {
             uint32_t w = 0;
             for (int j = 0; j < 8; ++j) {
-                const int idx = iq3_index(yr[8*g + j]);
-                c[8*g + j] = iq3_codebook[idx];
-                w |= (uint32_t) idx << (3*j);
+                int idx = 0;  // #{k : y > bounds[k]} (strict; a NaN gives 0)
+                for (int b = 0; b < nbnd; ++b) {
+                    idx += yr[8*g + j] > bnd[b];
+                }
+                c[8*g + j] = cb[idx];
+                w |= (uint32_t) idx << (bits*j);
             }
-            y[ib].qs[3*g + 0] = (uint8_t) (w & 0xff);
-            y[ib].qs[3*g + 1] = (uint8_t) ((w >> 8) & 0xff);
-            y[ib].qs[3*g + 2] = (uint8_t) (w >> 16);
+            for (int b = 0; b < bits; ++b) {
+                qs[bits*g + b] = (uint8_t) ((w >> (8*b)) & 0xff);
+            }
         }
 
-        // norm-preserving scale: ||d c|| = ||x||; the codebook has no zero level, so ||c|| > 0
+        // norm-preserving scale: ||d c|| = ||x||; the codebooks have no zero level, so ||c|| > 0
         const double dd = sd / sqrt(iq3_tree_sumsq(c));
-        y[ib].d = GGML_FP32_TO_FP16((float) (dd < 65504.0 ? dd : 65504.0));
+        const ggml_half d = GGML_FP32_TO_FP16((float) (dd < 65504.0 ? dd : 65504.0));
+        memcpy(blk, &d, sizeof(d));
     }
     ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nb);
 }
 
-void dequantize_row_isoquant3_0(const block_isoquant3_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {
+static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits) {
     assert(k % QK_ISO == 0);
-    const int64_t nb = k / QK_ISO;
+    const int64_t  nb   = k / QK_ISO;
+    const float  * cb   = ggml_rq_iso_codebook_bits(bits);
+    const uint32_t mask = (1u << bits) - 1;
 
     for (int64_t ib = 0; ib < nb; ++ib) {
-        const float d = GGML_FP16_TO_FP32(x[ib].d);
+        const uint8_t * blk = x + ib*iso_block_size(bits);
+        ggml_half dh;
+        memcpy(&dh, blk, sizeof(dh));
+        const float d = GGML_FP16_TO_FP32(dh);
         float yr[QK_ISO];
         for (int g = 0; g < QK_ISO/8; ++g) {
-            const uint32_t w = x[ib].qs[3*g] | (uint32_t) x[ib].qs[3*g + 1] << 8 | (uint32_t) x[ib].qs[3*g + 2] << 16;
+            const uint32_t w = ggml_rq_iso_word(blk + sizeof(ggml_half), g, bits);
             for (int j = 0; j < 8; ++j) {
-                yr[8*g + j] = d * iq3_codebook[(w >> (3*j)) & 7];
+                yr[8*g + j] = d * cb[(w >> (bits*j)) & mask];
             }
         }
         ggml_rq_iso_rotate_inv(yr, y + ib*QK_ISO);
@@ -294,14 +310,26 @@ void dequantize_row_isoquant3_0(const block_isoquant3_0 * GGML_RESTRICT x, float
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
 }
 
-size_t quantize_isoquant3_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, const float * imatrix) {
-    GGML_UNUSED(imatrix); // KV-cache type: no importance weighting
-    quantize_row_isoquant3_0_ref(src, (block_isoquant3_0 *) dst, nrow*n_per_row);
-    return nrow * ggml_row_size(GGML_TYPE_ISOQUANT3_0, n_per_row);
+// the public entry points of one type (ggml's traits and ggml_quantize_chunk call these)
+#define ISO_TYPE_API(name, bits)                                                                                 \
+void quantize_row_##name##_ref(const float * GGML_RESTRICT x, block_##name * GGML_RESTRICT y, int64_t k) {         \
+    iso_quantize_row(x, (uint8_t *) y, k, bits);                                                                 \
+}                                                                                                                \
+void dequantize_row_##name(const block_##name * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {             \
+    iso_dequantize_row((const uint8_t *) x, y, k, bits);                                                         \
+}                                                                                                                \
+size_t quantize_##name(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, \
+                       const float * imatrix) {                                                                  \
+    GGML_UNUSED(imatrix); /* KV-cache type: no importance weighting */                                           \
+    iso_quantize_row(src, (uint8_t *) dst, nrow*n_per_row, bits);                                                \
+    return nrow * iso_block_size(bits) * (n_per_row / QK_ISO);                                                   \
 }
 
+ISO_TYPE_API(isoquant3_0, 3)
+ISO_TYPE_API(isoquant4_0, 4)
+
 // ---------------------------------------------------------------------------------------------
-// ISOQ_Q: the rotated query (vec_dot_type of ISOQUANT3_0); not normalised, not quantised
+// ISOQ_Q: the rotated query (vec_dot_type of ISOQUANT3_0/4_0); not normalised, not quantised
 
 void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_ISO == 0);

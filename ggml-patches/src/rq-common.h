@@ -11,7 +11,16 @@ typedef struct {
 } block_isoquant3_0;
 static_assert(sizeof(block_isoquant3_0) == sizeof(ggml_half) + QK_ISO*3/8, "wrong isoquant3_0 block size/padding");
 
-// ISOQ_Q (internal): a query block already rotated by R, in F32; ISOQUANT3_0's vec_dot_type, so that
+// ISOQUANT4_0: the same with 4-bit indices of a 16-level codebook. Groups of 8 indices fill 4 bytes by
+// the same rule (index k of group g is bits 4k..4k+3 of the little-endian word qs[4g..4g+3]), i.e. two
+// indices per byte, the even one in the low nibble.
+typedef struct {
+    ggml_half d;
+    uint8_t   qs[QK_ISO*4/8];
+} block_isoquant4_0;
+static_assert(sizeof(block_isoquant4_0) == sizeof(ggml_half) + QK_ISO*4/8, "wrong isoquant4_0 block size/padding");
+
+// ISOQ_Q (internal): a query block already rotated by R, in F32; ISOQUANT3_0/4_0's vec_dot_type, so that
 // flash attention and mul_mat rotate each query row once and score packed keys directly.
 typedef struct {
     float qr[QK_ISO];

@@ -9,6 +9,20 @@ GGML_API void quantize_row_isoquant3_0_ref(const float * GGML_RESTRICT x, block_
 GGML_API void dequantize_row_isoquant3_0(const block_isoquant3_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API size_t quantize_isoquant3_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 
+GGML_API void quantize_row_isoquant4_0_ref(const float * GGML_RESTRICT x, block_isoquant4_0 * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_isoquant4_0(const block_isoquant4_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API size_t quantize_isoquant4_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
+
+// IsoQuant packing, both widths: group g of 8 indices is the `bits`-byte little-endian word at qs[bits*g],
+// index k its bits bits*k .. bits*k + bits-1
+static inline uint32_t ggml_rq_iso_word(const uint8_t * qs, int g, int bits) {
+    uint32_t w = 0;
+    for (int b = 0; b < bits; ++b) {
+        w |= (uint32_t) qs[bits*g + b] << (8*b);
+    }
+    return w;
+}
+
 GGML_API void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k);
 
 GGML_API void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_RESTRICT y, int64_t k);

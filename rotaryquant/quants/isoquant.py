@@ -1,4 +1,4 @@
-"""Bit-exact numpy reference of the ISOQUANT3_0 KV-cache block type.
+"""Bit-exact numpy reference of the ISOQUANT3_0 and ISOQUANT4_0 KV-cache block types.
 
 One block packs one 128-float vector (one attention head) into 50 bytes::
 
@@ -29,6 +29,12 @@ Steps 3 and the WHT part of dequantize apply to the variants that use the WHT
 (v3, the format, and the v1 ablation); v2 and none use neither the WHT nor S.
 The other norm modes ("raw", "lsq", "unbiased") are kept as research parameters.
 
+ISOQUANT4_0 (``bits=4`` everywhere below) is the same format with the 16-level
+codebook CODEBOOK4/BOUNDS4 and 4-bit indices: 66 bytes per block (``d`` then 64 bytes;
+group g of 8 indices is the 32-bit little-endian word ``sum_k idx[8g+k] << 4k``, i.e.
+two indices per byte, the even one in the low nibble).  The packing rule is one for
+both: group g of 8 indices is the ``bits``-byte little-endian word ``sum_k idx << bits*k``.
+
 Everything is vectorised over blocks: arrays are ``(nblocks, 128)``.
 """
 
@@ -42,6 +48,7 @@ from . import isoquant_tables as _tables
 
 __all__ = [
     "QK", "BLOCK_BYTES", "CODEBOOK", "BOUNDS", "SO4", "SO3", "SIGNS", "WHT_SCALE",
+    "BITS", "BLOCK_BYTES4", "CODEBOOK4", "BOUNDS4", "block_bytes", "codebook", "bounds",
     "DEFAULT_NORM_MODE",
     "VARIANTS", "NORM_MODES", "Variant", "NormMode",
     "fwht128", "rotate", "rotate_inverse", "pack_indices", "unpack_indices",
@@ -50,17 +57,21 @@ __all__ = [
 ]
 
 QK = 128
-BLOCK_BYTES = 2 + QK * 3 // 8  # 50
+BLOCK_BYTES = 2 + QK * 3 // 8  # 50  (ISOQUANT3_0)
+BLOCK_BYTES4 = 2 + QK * 4 // 8  # 66 (ISOQUANT4_0)
+BITS: tuple[int, ...] = (3, 4)
 NGROUPS = QK // 4
 FP16_MAX = 65504.0
 
 CODEBOOK = np.asarray(_tables.CODEBOOK, dtype=np.float32)          # (8,)
 BOUNDS = np.asarray(_tables.BOUNDS, dtype=np.float32)              # (7,)
+CODEBOOK4 = np.asarray(_tables.CODEBOOK4, dtype=np.float32)        # (16,)
+BOUNDS4 = np.asarray(_tables.BOUNDS4, dtype=np.float32)            # (15,)
 SO4 = np.asarray(_tables.SO4, dtype=np.float32).reshape(NGROUPS, 4, 4)
 SO3 = np.asarray(_tables.SO3, dtype=np.float32).reshape(NGROUPS, 4, 4)
 SIGNS = np.asarray(_tables.SIGNS, dtype=np.float32)                # (128,) exactly +-1
 WHT_SCALE = np.float32(_tables.WHT_SCALE)
-for _a in (CODEBOOK, BOUNDS, SO4, SO3, SIGNS):
+for _a in (CODEBOOK, BOUNDS, CODEBOOK4, BOUNDS4, SO4, SO3, SIGNS):
     _a.setflags(write=False)
 
 Variant = Literal["v3", "v2", "v1", "none"]
@@ -69,7 +80,7 @@ VARIANTS: tuple[str, ...] = ("v3", "v2", "v1", "none")
 NORM_MODES: tuple[str, ...] = ("raw", "preserve", "lsq", "unbiased")
 DEFAULT_NORM_MODE = "preserve"   # the format; the others are research parameters
 
-_SHIFTS = (3 * np.arange(8, dtype=np.uint32)).astype(np.uint32)
+_GROUPS = QK // 8  # groups of 8 indices, `bits` bytes each
 _CHUNK = 2048  # blocks per vectorised chunk (cache-sized working set)
 
 
@@ -94,6 +105,27 @@ def _tree_sum_f64(a: np.ndarray) -> np.ndarray:
         a = a[:, :s] + a[:, s:2 * s]
         s //= 2
     return a[:, 0]
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in BITS:
+        raise ValueError(f"unknown index width {bits!r}; expected one of {BITS}")
+
+
+def codebook(bits: int = 3) -> np.ndarray:
+    """The Lloyd-Max levels of ISOQUANT3_0 (bits=3) or ISOQUANT4_0 (bits=4)."""
+    _check_bits(bits)
+    return CODEBOOK if bits == 3 else CODEBOOK4
+
+
+def bounds(bits: int = 3) -> np.ndarray:
+    _check_bits(bits)
+    return BOUNDS if bits == 3 else BOUNDS4
+
+
+def block_bytes(bits: int = 3) -> int:
+    _check_bits(bits)
+    return 2 + QK * bits // 8
 
 
 def _check_variant(variant: str) -> None:
@@ -182,45 +214,50 @@ def rotate_inverse(y, variant: Variant = "v3") -> np.ndarray:
 # index packing
 # --------------------------------------------------------------------------
 
-def pack_indices(idx) -> np.ndarray:
-    """(n, 128) indices in 0..7 -> (n, 48) bytes: group gi of 8 indices is the
-    24-bit little-endian word sum_k idx[8gi+k] << 3k in qs[3gi..3gi+2]."""
+def pack_indices(idx, bits: int = 3) -> np.ndarray:
+    """(n, 128) indices in 0..2^bits-1 -> (n, 16*bits) bytes: group gi of 8 indices is the
+    (8*bits)-bit little-endian word sum_k idx[8gi+k] << bits*k in qs[bits*gi..bits*gi+bits-1]."""
+    _check_bits(bits)
     idx = np.asarray(idx)
     n = idx.shape[0]
-    g = idx.reshape(n, 16, 8).astype(np.uint32)
-    w = np.bitwise_or.reduce(g << _SHIFTS, axis=-1)
-    qs = np.empty((n, 16, 3), dtype=np.uint8)
-    qs[..., 0] = w & 0xFF
-    qs[..., 1] = (w >> 8) & 0xFF
-    qs[..., 2] = w >> 16
-    return qs.reshape(n, 48)
+    g = idx.reshape(n, _GROUPS, 8).astype(np.uint32)
+    w = np.bitwise_or.reduce(g << (bits * np.arange(8, dtype=np.uint32)), axis=-1)
+    qs = np.empty((n, _GROUPS, bits), dtype=np.uint8)
+    for b in range(bits):
+        qs[..., b] = (w >> (8 * b)) & 0xFF
+    return qs.reshape(n, _GROUPS * bits)
 
 
-def unpack_indices(qs) -> np.ndarray:
-    """(n, 48) bytes -> (n, 128) uint8 indices (inverse of pack_indices)."""
+def unpack_indices(qs, bits: int = 3) -> np.ndarray:
+    """(n, 16*bits) bytes -> (n, 128) uint8 indices (inverse of pack_indices)."""
+    _check_bits(bits)
     qs = np.asarray(qs, dtype=np.uint8)
     n = qs.shape[0]
-    b = qs.reshape(n, 16, 3).astype(np.uint32)
-    w = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-    return ((w[..., None] >> _SHIFTS) & 7).astype(np.uint8).reshape(n, QK)
+    b = qs.reshape(n, _GROUPS, bits).astype(np.uint32)
+    w = np.zeros(b.shape[:2], dtype=np.uint32)
+    for k in range(bits):
+        w |= b[..., k] << (8 * k)
+    shifts = bits * np.arange(8, dtype=np.uint32)
+    return ((w[..., None] >> shifts) & ((1 << bits) - 1)).astype(np.uint8).reshape(n, QK)
 
 
 # --------------------------------------------------------------------------
 # quantize / dequantize
 # --------------------------------------------------------------------------
 
-def quantize_indices(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE
+def quantize_indices(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE, bits: int = 3
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Steps 1-6 of quantize: returns (d as float16 (n,), idx as uint8 (n, 128))."""
     _check_variant(variant)
+    _check_bits(bits)
     if norm_mode not in NORM_MODES:
         raise ValueError(f"unknown norm_mode {norm_mode!r}; expected one of {NORM_MODES}")
     x = _as_blocks(x, np.float32)
     with np.errstate(all="ignore"):  # inf/NaN inputs follow the C semantics silently
-        return _quantize_indices(x, variant, norm_mode)
+        return _quantize_indices(x, variant, norm_mode, bits)
 
 
-def _quantize_indices(x: np.ndarray, variant: str, norm_mode: str) -> tuple[np.ndarray, np.ndarray]:
+def _quantize_indices(x: np.ndarray, variant: str, norm_mode: str, bits: int) -> tuple[np.ndarray, np.ndarray]:
     x64 = x.astype(np.float64)
 
     # 1-2. norm (float64 tree) and normalisation (float64 divide, round to float32).
@@ -235,14 +272,14 @@ def _quantize_indices(x: np.ndarray, variant: str, norm_mode: str) -> tuple[np.n
 
     # 5. idx = number of boundaries strictly below y
     idx = np.zeros(y.shape, dtype=np.uint8)
-    for b in BOUNDS:
+    for b in bounds(bits):
         idx += y > b
 
     # 6. scale in float64, then float64 -> float32 -> fp16 (round to nearest even)
     if norm_mode == "raw":
         dd = sd
     else:
-        c64 = CODEBOOK[idx].astype(np.float64)
+        c64 = codebook(bits)[idx].astype(np.float64)
         if norm_mode == "preserve":        # d = sd / ||c||
             dd = sd / np.sqrt(_tree_sum_f64(c64 * c64))
         else:
@@ -257,54 +294,60 @@ def _quantize_indices(x: np.ndarray, variant: str, norm_mode: str) -> tuple[np.n
     return d, idx
 
 
-def quantize_blocks(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE) -> np.ndarray:
-    """Quantize (n, 128) float32 vectors to (n, 50) uint8 ISOQUANT3_0 blocks."""
+def quantize_blocks(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE,
+                    bits: int = 3) -> np.ndarray:
+    """Quantize (n, 128) float32 vectors to (n, 50) uint8 ISOQUANT3_0 blocks (bits=4:
+    (n, 66) ISOQUANT4_0 blocks)."""
     x = _as_blocks(x, np.float32)
     n = x.shape[0]
-    out = np.empty((n, BLOCK_BYTES), dtype=np.uint8)
+    out = np.empty((n, block_bytes(bits)), dtype=np.uint8)
     for i in range(0, n, _CHUNK):  # chunks keep the working set in cache (results are per block)
-        d, idx = quantize_indices(x[i:i + _CHUNK], variant=variant, norm_mode=norm_mode)
+        d, idx = quantize_indices(x[i:i + _CHUNK], variant=variant, norm_mode=norm_mode, bits=bits)
         m = idx.shape[0]
         out[i:i + m, :2] = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(m, 2)
-        out[i:i + m, 2:] = pack_indices(idx)
+        out[i:i + m, 2:] = pack_indices(idx, bits)
     return out
 
 
-def dequantize_indices(d, idx, *, variant: Variant = "v3") -> np.ndarray:
+def dequantize_indices(d, idx, *, variant: Variant = "v3", bits: int = 3) -> np.ndarray:
     """y = float32(d) * CB[idx] then the inverse rotation; returns (n, 128) float32."""
     d32 = np.asarray(d, dtype=np.float16).astype(np.float32)
-    y = d32[:, None] * CODEBOOK[np.asarray(idx)]
+    y = d32[:, None] * codebook(bits)[np.asarray(idx)]
     return rotate_inverse(y, variant)
 
 
-def dequantize_blocks(b, *, variant: Variant = "v3") -> np.ndarray:
-    """Dequantize (n, 50) uint8 ISOQUANT3_0 blocks to (n, 128) float32 vectors."""
+def dequantize_blocks(b, *, variant: Variant = "v3", bits: int = 3) -> np.ndarray:
+    """Dequantize (n, 50) uint8 ISOQUANT3_0 blocks (bits=4: (n, 66) ISOQUANT4_0 blocks) to
+    (n, 128) float32 vectors."""
+    nbytes = block_bytes(bits)
     b = np.asarray(b, dtype=np.uint8)
     if b.ndim == 1:
         b = b.reshape(1, -1)
-    if b.ndim != 2 or b.shape[1] != BLOCK_BYTES:
-        raise ValueError(f"expected shape (n, {BLOCK_BYTES}), got {b.shape}")
+    if b.ndim != 2 or b.shape[1] != nbytes:
+        raise ValueError(f"expected shape (n, {nbytes}), got {b.shape}")
     n = b.shape[0]
     out = np.empty((n, QK), dtype=np.float32)
     for i in range(0, n, _CHUNK):
         c = b[i:i + _CHUNK]
         d = np.ascontiguousarray(c[:, :2]).view("<f2").reshape(c.shape[0])
-        out[i:i + c.shape[0]] = dequantize_indices(d, unpack_indices(c[:, 2:]), variant=variant)
+        out[i:i + c.shape[0]] = dequantize_indices(d, unpack_indices(c[:, 2:], bits), variant=variant, bits=bits)
     return out
 
 
-def quantize_row(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE) -> np.ndarray:
+def quantize_row(x, *, variant: Variant = "v3", norm_mode: NormMode = DEFAULT_NORM_MODE,
+                 bits: int = 3) -> np.ndarray:
     """Quantize a flat float32 row (len % 128 == 0) to a flat uint8 array of
-    len / 128 * 50 bytes (the ggml row layout: consecutive blocks)."""
+    len / 128 * block_bytes(bits) bytes (the ggml row layout: consecutive blocks)."""
     x = np.asarray(x, dtype=np.float32).reshape(-1)
     if x.size % QK:
         raise ValueError(f"row length {x.size} is not a multiple of {QK}")
-    return quantize_blocks(x.reshape(-1, QK), variant=variant, norm_mode=norm_mode).reshape(-1)
+    return quantize_blocks(x.reshape(-1, QK), variant=variant, norm_mode=norm_mode, bits=bits).reshape(-1)
 
 
-def dequantize_row(b, *, variant: Variant = "v3") -> np.ndarray:
-    """Inverse of quantize_row: flat bytes (len % 50 == 0) -> flat float32."""
+def dequantize_row(b, *, variant: Variant = "v3", bits: int = 3) -> np.ndarray:
+    """Inverse of quantize_row: flat bytes (len % block_bytes(bits) == 0) -> flat float32."""
+    nbytes = block_bytes(bits)
     b = np.asarray(b, dtype=np.uint8).reshape(-1)
-    if b.size % BLOCK_BYTES:
-        raise ValueError(f"byte length {b.size} is not a multiple of {BLOCK_BYTES}")
-    return dequantize_blocks(b.reshape(-1, BLOCK_BYTES), variant=variant).reshape(-1)
+    if b.size % nbytes:
+        raise ValueError(f"byte length {b.size} is not a multiple of {nbytes}")
+    return dequantize_blocks(b.reshape(-1, nbytes), variant=variant, bits=bits).reshape(-1)

@@ -96,8 +96,8 @@ def tree_sum_warp(a: np.ndarray) -> np.ndarray:
     return (a[:, 0, 0] + a[:, 0, 2]) + (a[:, 0, 1] + a[:, 0, 3])
 
 
-def iso_quantize_warp(x: np.ndarray) -> np.ndarray:
-    """rq_iso_quantize_warp for n blocks; returns (n, 50) bytes."""
+def iso_quantize_warp(x: np.ndarray, nbits: int = 3) -> np.ndarray:
+    """rq_iso_quantize_warp<nbits> for n blocks; returns (n, 2 + 16*nbits) bytes."""
     n = x.shape[0]
     xl = x.reshape(n, 32, 4).astype(F32)
     xd = xl.astype(F64)
@@ -106,44 +106,45 @@ def iso_quantize_warp(x: np.ndarray) -> np.ndarray:
         v = np.where((sd > 0.0)[:, None, None], (xd / sd[:, None, None]).astype(F32), F32(0))
     v = iso_rotate_warp(v.astype(F32))
     idx = np.zeros(v.shape, np.uint32)
-    for b in iq.BOUNDS.astype(F32):
+    for b in iq.bounds(nbits).astype(F32):
         idx += (v > b)
-    c = iq.CODEBOOK.astype(F32)[idx].astype(F64)
+    c = iq.codebook(nbits).astype(F32)[idx].astype(F64)
     with np.errstate(all="ignore"):
         dd = sd / np.sqrt(tree_sum_warp(c * c))
     d = np.where(dd < 65504.0, dd, 65504.0).astype(F32).astype(np.float16)
     bits = np.zeros((n, 32), np.uint32)
     for e in range(4):
-        bits |= idx[..., e] << np.uint32(3 * e)
+        bits |= idx[..., e] << np.uint32(nbits * e)
     hi = shfl_down(bits, 1)
-    out = np.zeros((n, 50), np.uint8)
+    out = np.zeros((n, iq.block_bytes(nbits)), np.uint8)
     out[:, :2] = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(n, 2)
     for lane in range(0, 32, 2):
-        w = bits[:, lane] | (hi[:, lane] << np.uint32(12))
+        w = (bits[:, lane] | (hi[:, lane] << np.uint32(4 * nbits))).astype(np.uint64)
         g = lane >> 1
-        out[:, 2 + 3 * g + 0] = w & 0xFF
-        out[:, 2 + 3 * g + 1] = (w >> 8) & 0xFF
-        out[:, 2 + 3 * g + 2] = w >> 16
+        for b in range(nbits):
+            out[:, 2 + nbits * g + b] = (w >> np.uint64(8 * b)) & np.uint64(0xFF)
     return out
 
 
-def iso_lane_bits(qs: np.ndarray) -> np.ndarray:
-    """rq_iso_lane_bits for every lane; qs (n, 48) -> (n, 32) 12-bit groups"""
-    q = qs.astype(np.uint32)
+def iso_lane_bits(qs: np.ndarray, nbits: int = 3) -> np.ndarray:
+    """rq_iso_lane_bits<nbits> for every lane; qs (n, 16*nbits) -> (n, 32) 4*nbits-bit groups"""
+    q = qs.astype(np.uint64)
     out = np.empty((qs.shape[0], 32), np.uint32)
     for lane in range(32):
-        p = 3 * (lane >> 1)
-        w = q[:, p] | (q[:, p + 1] << 8) | (q[:, p + 2] << 16)
-        out[:, lane] = (w >> (12 * (lane & 1))) & 0xFFF
+        p = nbits * (lane >> 1)
+        w = np.zeros(qs.shape[0], np.uint64)
+        for b in range(nbits):
+            w |= q[:, p + b] << np.uint64(8 * b)
+        out[:, lane] = (w >> np.uint64(4 * nbits * (lane & 1))) & np.uint64((1 << (4 * nbits)) - 1)
     return out
 
 
-def iso_dequant_warp(blocks: np.ndarray) -> np.ndarray:
+def iso_dequant_warp(blocks: np.ndarray, nbits: int = 3) -> np.ndarray:
     n = blocks.shape[0]
     d = np.ascontiguousarray(blocks[:, :2]).view("<f2").reshape(n).astype(F32)
-    bits = iso_lane_bits(blocks[:, 2:])
-    cb = iq.CODEBOOK.astype(F32)
-    v = np.stack([d[:, None] * cb[(bits >> (3 * e)) & 7] for e in range(4)], axis=-1)
+    bits = iso_lane_bits(blocks[:, 2:], nbits)
+    cb = iq.codebook(nbits).astype(F32)
+    v = np.stack([d[:, None] * cb[(bits >> (nbits * e)) & ((1 << nbits) - 1)] for e in range(4)], axis=-1)
     return iso_rotate_inv_warp(v).reshape(n, 128)
 
 
@@ -159,17 +160,18 @@ def test_iso_codec(rng: np.random.Generator) -> None:
     spec[2, :] = -np.inf
     x.append(spec)
     x = np.concatenate(x).astype(F32)
-    with np.errstate(all="ignore"):
-        ref = iq.quantize_blocks(x)
-        got = iso_quantize_warp(x)
-    bad = np.nonzero((ref != got).any(axis=1))[0]
-    check("iso quantiser (tree norm, WHT lanes, SO(4), packing) == numpy/C reference, bytes",
-          bad.size == 0, f"{x.shape[0]} blocks" + (f", first differing block {bad[0]}" if bad.size else ""))
-    with np.errstate(all="ignore"):
-        dref = iq.dequantize_blocks(ref)
-        dgot = iso_dequant_warp(ref)
-    same = np.array_equal(dref.view(np.uint32), dgot.view(np.uint32))
-    check("iso dequantiser (lane bits, SO(4)^T, WHT, signs) == reference, float bits", same)
+    for nbits in iq.BITS:
+        with np.errstate(all="ignore"):
+            ref = iq.quantize_blocks(x, bits=nbits)
+            got = iso_quantize_warp(x, nbits)
+        bad = np.nonzero((ref != got).any(axis=1))[0]
+        check(f"iso{nbits} quantiser (tree norm, WHT lanes, SO(4), packing) == numpy/C reference, bytes",
+              bad.size == 0, f"{x.shape[0]} blocks" + (f", first differing block {bad[0]}" if bad.size else ""))
+        with np.errstate(all="ignore"):
+            dref = iq.dequantize_blocks(ref, bits=nbits)
+            dgot = iso_dequant_warp(ref, nbits)
+        same = np.array_equal(dref.view(np.uint32), dgot.view(np.uint32))
+        check(f"iso{nbits} dequantiser (lane bits, SO(4)^T, WHT, signs) == reference, float bits", same)
     v = rng.standard_normal((64, 32, 4)).astype(F32)
     a = np.exp(rng.uniform(-30, 30, (512, 128)))     # wide range: the summation order shows in the bits
     check("iso float64 tree norm across lanes == reference tree, bits",
@@ -186,57 +188,60 @@ def test_iso_codec(rng: np.random.Generator) -> None:
 TILE = 128
 
 
-def stage_rows(rows: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """rq_fa_stage: rows (n, nb*50) bytes -> staged words (n, 12*nb+1) uint32, scales (n, nb)."""
+def stage_rows(rows: np.ndarray, nb: int, nbits: int = 3, sw: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """rq_fa_stage<nb, sw, nbits>: rows (n, nb*(2+16*nbits)) bytes -> staged words (n, sw) uint32, scales (n, nb)."""
     n = rows.shape[0]
-    src = rows.view("<u2").reshape(n, nb * 25)
-    sw = 12 * nb + 1
+    hpb = 1 + 8 * nbits
+    src = rows.view("<u2").reshape(n, nb * hpb)
+    sw = sw or 4 * nbits * nb + 1
     dst16 = np.zeros((n, 2 * sw), np.uint16)
     dsh = np.zeros((n, nb), F32)
-    for u in range(nb * 25):
-        b, k = divmod(u, 25)
+    for u in range(nb * hpb):
+        b, k = divmod(u, hpb)
         if k == 0:
             dsh[:, b] = src[:, u].view(np.float16).astype(F32)
         else:
-            dst16[:, 24 * b + k - 1] = src[:, u]
+            dst16[:, (hpb - 1) * b + k - 1] = src[:, u]
     return dst16.view("<u4").reshape(n, sw).astype(np.uint64), dsh
 
 
-def idx3(w: np.ndarray, k: int) -> np.ndarray:
-    """rq_idx3 on (n, 3) words (uint64 holding uint32)"""
-    bit = 3 * k
+def idx_bits(w: np.ndarray, k: int, nbits: int = 3) -> np.ndarray:
+    """rq_idx<nbits> on (n, nbits) words (uint64 holding uint32)"""
+    bit = nbits * k
     wi, sh = bit >> 5, bit & 31
     v = w[:, wi] >> np.uint64(sh)
-    if sh > 29:
+    if sh > 32 - nbits:
         v |= (w[:, wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
-    return (v & np.uint64(7)).astype(np.int64)
+    return (v & np.uint64((1 << nbits) - 1)).astype(np.int64)
 
 
-def staged_k_indices(words: np.ndarray, nb: int) -> np.ndarray:
+def staged_k_indices(words: np.ndarray, nb: int, nbits: int = 3) -> np.ndarray:
     """the score loop's view: (n, nb*128) indices"""
     n = words.shape[0]
+    kw = 4 * nbits
     out = np.empty((n, nb * 128), np.int64)
     for b in range(nb):
         for ch in range(4):
-            w = words[:, 12 * b + 3 * ch: 12 * b + 3 * ch + 3]
+            w = words[:, kw * b + nbits * ch: kw * b + nbits * ch + nbits]
             for k in range(32):
-                out[:, b * 128 + 32 * ch + k] = idx3(w, k)
+                out[:, b * 128 + 32 * ch + k] = idx_bits(w, k, nbits)
     return out
 
 
-def staged_v_indices(words: np.ndarray, nb: int) -> np.ndarray:
-    """the accumulate loop's view: lane l takes bits 12l.. of each block; (n, nb*128) indices"""
+def staged_v_indices(words: np.ndarray, nb: int, nbits: int = 3) -> np.ndarray:
+    """the accumulate loop's view (rq_fa_lane_bits): lane l takes bits 4*nbits*l.. of each block"""
     n = words.shape[0]
+    vw = 4 * nbits
     out = np.empty((n, nb * 128), np.int64)
     for b in range(nb):
         for lane in range(32):
-            bit = 12 * lane
+            bit = 4 * nbits * lane
             wi, sh = bit >> 5, bit & 31
-            bits = words[:, 12 * b + wi] >> np.uint64(sh)
-            if sh > 20:
-                bits |= (words[:, 12 * b + wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
+            bits = words[:, vw * b + wi] >> np.uint64(sh)
+            if sh > 32 - 4 * nbits:
+                bits |= (words[:, vw * b + wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
             for e in range(4):
-                out[:, b * 128 + 4 * lane + e] = ((bits >> np.uint64(3 * e)) & np.uint64(7)).astype(np.int64)
+                out[:, b * 128 + 4 * lane + e] = ((bits >> np.uint64(nbits * e)) & np.uint64((1 << nbits) - 1)).astype(np.int64)
     return out
 
 
@@ -354,12 +359,16 @@ def fattn_reference(q, K, V, mask, sinks, scale, max_bias, softcap):
 
 
 def test_fattn(rng: np.random.Generator) -> None:
-    for b in range(2):
-        rows = iq.quantize_blocks(rng.standard_normal((300, 128)).astype(F32)).reshape(150, 100)
-        w, _ = stage_rows(rows, 2)
-        ref = iq.unpack_indices(rows.reshape(300, 50)[:, 2:]).reshape(150, 256)
-        check(f"fattn staging: score-loop indices (rq_idx3) == unpack [{b}]", np.array_equal(staged_k_indices(w, 2), ref))
-        check(f"fattn staging: accumulate-loop lane bits == unpack [{b}]", np.array_equal(staged_v_indices(w, 2), ref))
+    for b, nbits in ((0, 3), (1, 3), (2, 4)):
+        bb = iq.block_bytes(nbits)
+        rows = iq.quantize_blocks(rng.standard_normal((300, 128)).astype(F32), bits=nbits).reshape(150, 2 * bb)
+        # the buffer is shared by K and V: the row stride is that of the wider type (mixed 3/4-bit)
+        w, _ = stage_rows(rows, 2, nbits, sw=4 * 4 * 2 + 1)
+        ref = iq.unpack_indices(rows.reshape(300, bb)[:, 2:], nbits).reshape(150, 256)
+        check(f"fattn staging {nbits}-bit: score-loop indices (rq_idx) == unpack [{b}]",
+              np.array_equal(staged_k_indices(w, 2, nbits), ref))
+        check(f"fattn staging {nbits}-bit: accumulate-loop lane bits == unpack [{b}]",
+              np.array_equal(staged_v_indices(w, 2, nbits), ref))
 
     cases = [  # D, N, H, Hkv, n_kv, mask kind, sinks, softcap, max_bias, nc, nsplit
         (128, 1, 8, 2, 700, "none", False, 0.0, 0.0, 4, 3),

@@ -27,8 +27,8 @@ def test_fresh_interpreter_loads_the_patched_library():
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     lines = out.strip().splitlines()
-    assert lines[0] == "240 241 244"
-    assert int(lines[1]) >= 1  # a stock libggml-base has no ggml_rq_version
+    assert lines[0] == "240 241 245"
+    assert int(lines[1]) >= 2  # a stock libggml-base has no ggml_rq_version
     build = paths.build_dir().resolve()
     for lib in lines[2:]:
         assert Path(lib).resolve().is_relative_to(build), f"{lib} is not from our build in {build}"
@@ -42,6 +42,10 @@ def test_type_ids_agree_everywhere():
     assert gguf.GGMLQuantizationType.ISOQUANT3_0 == 240
     assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.ISOQUANT3_0] == (128, 50)
     assert bindings.row_size(bindings.GGMLType.ISOQUANT3_0, 256) == 100
+    assert bindings.type_from_name("isoquant4_0") == llama_cpp.GGML_TYPE_ISOQUANT4_0 == 244
+    assert gguf.GGMLQuantizationType.ISOQUANT4_0 == 244
+    assert gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.ISOQUANT4_0] == (128, 66)
+    assert bindings.row_size(bindings.GGMLType.ISOQUANT4_0, 256) == 132
     with pytest.raises(bindings.RQTypeError, match="unknown ggml type"):
         bindings.type_from_name("isoquant9_9")
 
@@ -49,12 +53,13 @@ def test_type_ids_agree_everywhere():
 def test_quantize_roundtrip_through_ggml():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 256)).astype(np.float32)
-    for t in (bindings.GGMLType.Q8_0, bindings.GGMLType.ISOQUANT3_0):
+    limit = {bindings.GGMLType.Q8_0: 0.01, bindings.GGMLType.ISOQUANT3_0: 0.25, bindings.GGMLType.ISOQUANT4_0: 0.12}
+    for t, lim in limit.items():
         q = bindings.quantize(x, t)
         assert q.shape == (64, bindings.row_size(t, 256))
         y = bindings.dequantize(q, t, 256)
         rel = np.linalg.norm(y - x) / np.linalg.norm(x)
-        assert rel < (0.01 if t == bindings.GGMLType.Q8_0 else 0.25)
+        assert rel < lim
     with pytest.raises(ValueError, match="block size"):
         bindings.quantize(x[:, :100], bindings.GGMLType.ISOQUANT3_0)
 

@@ -20,3 +20,13 @@ def test_specs_split_and_carry_the_calibration_switch():
 def test_bench_configs_from_specs():
     assert kvbench.config("isoquant3_0-unfused") == ("isoquant3_0-unfused", "isoquant3_0", True)
     assert kvbench.config("q4_0+calib") == ("q4_0+calib", "q4_0+calib", False)
+
+
+def test_iso_specs():
+    assert kvtypes.split("isoquant4_0") == ("isoquant4_0", "isoquant4_0")
+    assert kvtypes.split("isoquant4_0/isoquant3_0") == ("isoquant4_0", "isoquant3_0")
+    assert kvtypes.uses_iso("q8_0/isoquant4_0") and kvtypes.uses_iso("isoquant3_0")
+    assert not kvtypes.uses_iso("q8_0/q4_0")
+    assert kvtypes.validate("isoquant4_0/isoquant3_0") == "isoquant4_0/isoquant3_0"
+    with pytest.raises(RQTypeError):
+        kvtypes.validate("isoquant5_0")

@@ -10,6 +10,7 @@
 
 #include "ggml.h"
 #include "ggml-cpu.h"
+#include "ggml-rq.h"
 
 #include <cmath>
 #include <cstdint>
@@ -57,7 +58,8 @@ static void fuzz_type(ggml_type t, const uint8_t * data, size_t size) {
     const size_t n = nb*qk;
     std::vector<float> x(n);
     tr->to_float(q.data(), x.data(), (int64_t) n);
-    const bool fin = t == GGML_TYPE_ISOQUANT3_0 ? blocks_finite(q.data(), nb, bs, {0}) : blocks_finite(q.data(), nb, bs, {0, 2});
+    const bool iso = ggml_rq_type_is_iso(t);
+    const bool fin = iso ? blocks_finite(q.data(), nb, bs, {0}) : blocks_finite(q.data(), nb, bs, {0, 2});
     if (fin) FUZZ_CHECK(all_finite(x.data(), n), "dequantised NaN/Inf from finite blocks");
 
     // vec_dot against a finite activation row built from the input bytes
@@ -70,7 +72,7 @@ static void fuzz_type(ggml_type t, const uint8_t * data, size_t size) {
     trc->vec_dot((int) n, &s, 0, q.data(), 0, yq.data(), 0, 1);
     if (fin) FUZZ_CHECK(std::isfinite(s), "vec_dot NaN/Inf from finite blocks");
 
-    if (t == GGML_TYPE_ISOQUANT3_0) {
+    if (iso) {
         // the inverse rotation on the dequantised rows (what the fused path applies to its output)
         std::vector<float> acc(x);
         ggml_rq_iso_unrotate((int) n, acc.data());
@@ -83,18 +85,18 @@ static void fuzz_type(ggml_type t, const uint8_t * data, size_t size) {
     std::vector<uint8_t> out(nb*bs);
     ggml_quantize_chunk(t, f.data(), out.data(), 0, (int64_t) nb, (int64_t) qk, nullptr);
     if (all_finite(f.data(), n)) {
-        FUZZ_CHECK(t == GGML_TYPE_ISOQUANT3_0 ? blocks_finite(out.data(), nb, bs, {0}) : blocks_finite(out.data(), nb, bs, {0, 2}),
+        FUZZ_CHECK(iso ? blocks_finite(out.data(), nb, bs, {0}) : blocks_finite(out.data(), nb, bs, {0, 2}),
                    "quantised NaN/Inf scale from finite input");
     }
 }
 
 // flash attention over the packed rows as both K and V (the fused path, GQA 2:1, 3 query rows)
-static void fuzz_fa(const uint8_t * data, size_t size) {
-    const size_t bs = sizeof(uint16_t) + 48, n_kv = size / bs;
+static void fuzz_fa(ggml_type t, const uint8_t * data, size_t size) {
+    const size_t bs = ggml_type_size(t), n_kv = size / bs;
     if (n_kv == 0) return;
     ggml_init_params ip = { 8u << 20, nullptr, false };
     ggml_context * ctx = ggml_init(ip);
-    ggml_tensor * k = ggml_new_tensor_3d(ctx, GGML_TYPE_ISOQUANT3_0, 128, (int64_t) n_kv, 1);
+    ggml_tensor * k = ggml_new_tensor_3d(ctx, t, 128, (int64_t) n_kv, 1);
     memcpy(k->data, data, n_kv*bs);
     ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 128, 3, 2);
     float * qd = (float *) q->data;
@@ -113,9 +115,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     static bool init = (ggml_cpu_init(), true);
     (void) init;
     if (size < 2) return 0;
-    fuzz_type(data[0] & 1 ? GGML_TYPE_ITQ3_S : GGML_TYPE_ISOQUANT3_0, data + 1, size - 1);
-    if (!(data[0] & 1)) {
-        fuzz_fa(data + 1, size - 1);
+    static const ggml_type types[3] = { GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ITQ3_S, GGML_TYPE_ISOQUANT4_0 };
+    const ggml_type t = types[data[0] % 3];
+    fuzz_type(t, data + 1, size - 1);
+    if (ggml_rq_type_is_iso(t)) {
+        fuzz_fa(t, data + 1, size - 1);
     }
     return 0;
 }
@@ -133,10 +137,10 @@ int main(int argc, char ** argv) {
     }
     std::mt19937 rng(seed);
     for (long r = 0; r < runs; ++r) {
-        const size_t bs = r & 1 ? 100 : 50;
+        const size_t bs = r % 3 == 0 ? 50 : r % 3 == 1 ? 100 : 66;  // isoquant3_0, itq3_s, isoquant4_0
         const size_t nb = 1 + rng() % 6;
         std::vector<uint8_t> buf(1 + nb*bs + rng() % 7);  // sometimes a ragged tail
-        buf[0] = (uint8_t) (r & 1);
+        buf[0] = (uint8_t) (r % 3);
         const int mode = (int) (rng() % 4);
         for (size_t i = 1; i < buf.size(); ++i) {
             buf[i] = mode == 0 ? 0 : mode == 1 ? 0xff : (uint8_t) rng();

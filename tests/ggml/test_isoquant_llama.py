@@ -116,3 +116,35 @@ def test_python_llama_counters_and_state(gemma3, sane_text):
         bindings.set_iso_unfused(False)
     assert c2["iso_dequant_rows"] > 0, c2
     assert sane_text(out2), out2
+
+
+ISO4 = ["-fa", "on", "-ctk", "isoquant4_0", "-ctv", "isoquant4_0"]
+
+
+def test_isoquant4_0_cache_fused_mixed_unfused_and_head_size(bin_dir, gemma3, smollm2, sane_text):
+    import llama_cpp
+
+    from rotaryquant import bindings
+
+    proc = _complete(bin_dir, smollm2, ["-fa", "on", "-ctk", "q8_0", "-ctv", "isoquant4_0"], n=4)
+    assert proc.returncode != 0
+    assert "isoquant4_0 KV cache needs attention head sizes that are multiples of 128" in proc.stderr
+    # 4-bit K with 3-bit V: one fused kernel reads both widths
+    mixed = _complete(bin_dir, gemma3, ["-fa", "on", "-ctk", "isoquant4_0", "-ctv", "isoquant3_0"])
+    assert mixed.returncode == 0, mixed.stderr[-2000:]
+    assert "isoquant4_0 attention = fused" in mixed.stderr
+    assert sane_text(mixed.stdout), mixed.stdout
+    unfused = _complete(bin_dir, gemma3, [*ISO4, "--isoquant-unfused"], n=12)
+    assert unfused.returncode == 0, unfused.stderr[-2000:]
+    assert "isoquant4_0 attention = unfused" in unfused.stderr
+
+    iso4 = llama_cpp.GGML_TYPE_ISOQUANT4_0
+    bindings.set_iso_unfused(False)
+    llm = llama_cpp.Llama(model_path=str(gemma3), n_ctx=512, n_threads=2, seed=42, verbose=False,
+                          flash_attn=True, type_k=iso4, type_v=iso4)
+    bindings.reset_counters()
+    out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
+    c = bindings.counters()
+    assert sane_text(out), out
+    assert c["iso_fused_calls"] > 0 and c["iso_quant_rows"] > 0
+    assert c["iso_dequant_rows"] == 0, c

@@ -1,4 +1,4 @@
-"""ISOQUANT3_0: the C quantiser in the patched ggml and the numpy reference agree byte for byte."""
+"""ISOQUANT3_0/4_0: the C quantiser in the patched ggml and the numpy reference agree byte for byte."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from rotaryquant import bindings
 from rotaryquant.quants import isoquant as iq
 
 ISO = bindings.GGMLType.ISOQUANT3_0
+ISO4 = bindings.GGMLType.ISOQUANT4_0
+TYPES = {3: ISO, 4: ISO4}
 
 
 def _inputs() -> dict[str, np.ndarray]:
@@ -31,27 +33,30 @@ def _inputs() -> dict[str, np.ndarray]:
     }
 
 
+@pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("name", list(_inputs()))
-def test_c_matches_numpy_bytes(name):
+def test_c_matches_numpy_bytes(name, bits):
     x = _inputs()[name]
-    c = bindings.quantize(x.reshape(-1, 256) if x.shape[0] % 2 == 0 else x, ISO).reshape(-1, iq.BLOCK_BYTES)
-    py = iq.quantize_blocks(x)
+    t = TYPES[bits]
+    c = bindings.quantize(x.reshape(-1, 256) if x.shape[0] % 2 == 0 else x, t).reshape(-1, iq.block_bytes(bits))
+    py = iq.quantize_blocks(x, bits=bits)
     assert np.array_equal(c, py), f"{(c != py).any(axis=1).sum()} of {len(py)} blocks differ"
     # and the dequantisers agree bit for bit too
-    dc = bindings.dequantize(c.reshape(x.shape[0], -1), ISO, 128)
-    dp = iq.dequantize_blocks(py)
+    dc = bindings.dequantize(c.reshape(x.shape[0], -1), t, 128)
+    dp = iq.dequantize_blocks(py, bits=bits)
     assert np.array_equal(dc.view(np.uint32), dp.view(np.uint32))
     assert np.isfinite(dp).all()
 
 
+@pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("variant", ["v2", "v1", "none"])
-def test_ablation_variants_match_numpy(variant):
+def test_ablation_variants_match_numpy(variant, bits):
     x = _inputs()["keys"][:64]
     bindings.set_iso_variant(variant)
     try:
-        c = bindings.quantize(x, ISO).reshape(-1, iq.BLOCK_BYTES)
-        dc = bindings.dequantize(c, ISO, 128)
+        c = bindings.quantize(x, TYPES[bits]).reshape(-1, iq.block_bytes(bits))
+        dc = bindings.dequantize(c, TYPES[bits], 128)
     finally:
         bindings.set_iso_variant("v3")
-    assert np.array_equal(c, iq.quantize_blocks(x, variant=variant))
-    assert np.array_equal(dc, iq.dequantize_blocks(c, variant=variant))
+    assert np.array_equal(c, iq.quantize_blocks(x, variant=variant, bits=bits))
+    assert np.array_equal(dc, iq.dequantize_blocks(c, variant=variant, bits=bits))

@@ -1,8 +1,9 @@
 // RotaryQuant CPU kernels (part of ggml-cpu): the CPU traits of our types and the flash-attention
-// helpers that keep ISOQUANT3_0 values in the rotated domain.
+// helpers that keep IsoQuant (ISOQUANT3_0/4_0) values in the rotated domain.
 #pragma once
 
 #include "ggml.h"
+#include "ggml-rq.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -13,10 +14,13 @@ extern "C" {
 #endif
 
 void quantize_row_isoquant3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_isoquant4_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_isoq_q     (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 
 // sum_b ||x_b|| * <c[idx_b], (R q)_b>: the query arrives rotated (ISOQ_Q), keys stay packed
 void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                     const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_isoquant4_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                      const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 // acc <- R^T acc for every 128-value block (once per output row), unless the ablation switch is set
@@ -29,12 +33,12 @@ void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const
                                 const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 struct ggml_compute_params;
-// Flash attention for query rows [ir0, ir1) with an ISOQUANT3_0 V cache (any K type): keys outer, rows
+// Flash attention for query rows [ir0, ir1) with an IsoQuant (3- or 4-bit) V cache (any K type): keys outer, rows
 // inner, so each packed K/V row is unpacked once for all query rows of its head (GQA heads, prompt
 // tokens). Per row, the operations and their order do not depend on the grouping: batch-invariant.
 void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
 
-// counts flash-attention ops that touch ISOQUANT3_0 K/V (fused vs reference path)
+// counts flash-attention ops that touch IsoQuant K/V (fused vs reference path)
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);
 
 #ifdef __cplusplus

@@ -1,5 +1,6 @@
-// Fused IsoQuant flash attention on CUDA: FLASH_ATTN_EXT with ISOQUANT3_0 K and/or V (the other side
-// F16 or Q8_0), head sizes 128 and 256, any n_kv, any batch, GQA, mask, ALiBi, softcap and sinks.
+// Fused IsoQuant flash attention on CUDA: FLASH_ATTN_EXT with ISOQUANT3_0/4_0 K and/or V (any mix of the
+// two widths; a non-IsoQuant side F16 or Q8_0), head sizes 128 and 256, any n_kv, any batch, GQA, mask,
+// ALiBi, softcap and sinks. KB/VB, the template index widths of K/V, are 3, 4 or 0 (not IsoQuant).
 // Nothing is converted to F16: packed K/V are read as they are stored.
 //
 //   k.q            = sum_b d_b * <c[idx_b], (R q)_b>          -> Q is rotated once per (row, head), keys
@@ -32,7 +33,7 @@ struct rq_fa_params {
     const char  * K;
     const char  * V;
     const half  * mask;
-    float       * part_vkq; // [nsplit][nrows][D]: un-normalised accumulators (rotated domain for ISO V)
+    float       * part_vkq; // [nsplit][nrows][D]: un-normalised accumulators (rotated domain for IsoQuant V)
     float2      * part_ms;  // [nsplit][nrows]: (max, sum)
 
     int64_t nbq1, nbq2, nbq3;
@@ -62,11 +63,12 @@ struct rq_fa_params {
 // ---------------------------------------------------------------------------------------------
 // device pieces
 
-// copy the packed ISOQUANT3_0 rows kv0.. of one head into shared memory: per row and 128-block the 48
-// index bytes as 12 words (row stride SW words, odd, so that per-row reads are conflict free) and the scale
-template <int NB, int SW>
+// copy the packed IsoQuant rows kv0.. of one head into shared memory: per row and 128-block the 16*BITS
+// index bytes as 4*BITS words (row stride SW words, odd, so that per-row reads are conflict free) and the scale
+template <int NB, int SW, int BITS>
 static __device__ __forceinline__ void rq_fa_stage(const char * __restrict__ base, const int64_t nb1, const int kv0, const int kv_end,
                                                    uint32_t * __restrict__ stage, float * __restrict__ dsh) {
+    constexpr int HPB = 1 + 8*BITS; // 16-bit words per block: d, then the indices
     const int lane = threadIdx.x;
     for (int r = threadIdx.y; r < RQ_FA_TILE; r += RQ_FA_NWARPS) {
         const int kv = kv0 + r;
@@ -75,29 +77,43 @@ static __device__ __forceinline__ void rq_fa_stage(const char * __restrict__ bas
         }
         const uint16_t * src = (const uint16_t *) (base + (int64_t) kv*nb1);
         uint16_t * dst16 = (uint16_t *) (stage + r*SW);
-        for (int u = lane; u < NB*25; u += WARP_SIZE) {
-            const int b = u / 25;
-            const int k = u - 25*b;
+        for (int u = lane; u < NB*HPB; u += WARP_SIZE) {
+            const int b = u / HPB;
+            const int k = u - HPB*b;
             const uint16_t val = src[u];
             if (k == 0) {
                 dsh[r*NB + b] = __half2float(__ushort_as_half(val));
             } else {
-                dst16[24*b + k - 1] = val;
+                dst16[(HPB - 1)*b + k - 1] = val;
             }
         }
     }
 }
 
-// index k (0..31) of 32 consecutive 3-bit indices packed in w[0..2]
-static __device__ __forceinline__ int rq_idx3(const uint32_t w[3], const int k) {
-    const int bit = 3*k;
+// index k (0..31) of 32 consecutive BITS-bit indices packed in w[0..BITS-1]
+template <int BITS>
+static __device__ __forceinline__ int rq_idx(const uint32_t w[BITS], const int k) {
+    const int bit = BITS*k;
     const int wi  = bit >> 5;
     const int sh  = bit & 31;
     uint32_t v = w[wi] >> sh;
-    if (sh > 29) {
+    if (sh > 32 - BITS) {
         v |= w[wi + 1] << (32 - sh);
     }
-    return v & 7;
+    return v & ((1u << BITS) - 1);
+}
+
+// the 4*BITS index bits of values 4*lane..4*lane+3 of one staged block (words wb[0..4*BITS-1])
+template <int BITS>
+static __device__ __forceinline__ uint32_t rq_fa_lane_bits(const uint32_t * wb, const int lane) {
+    const int bit = 4*BITS*lane;
+    const int wi  = bit >> 5;
+    const int sh  = bit & 31;
+    uint32_t bits = wb[wi] >> sh;
+    if (sh > 32 - 4*BITS) {
+        bits |= wb[wi + 1] << (32 - sh);
+    }
+    return bits;
 }
 
 // one element of a non-ISO K/V row
@@ -109,19 +125,23 @@ static __device__ __forceinline__ float rq_fa_load(const char * __restrict__ row
     return __half2float(b->d)*(float) b->qs[i % QK8_0];
 }
 
-template <int D, int NC, bool K_ISO, bool V_ISO>
+template <int D, int NC, int KB, int VB>
 __launch_bounds__(RQ_FA_NTHREADS, 1)
 static __global__ void k_rq_fattn(const rq_fa_params p) {
-    constexpr int NB  = D/QK_ISO;   // 128-blocks per row
-    constexpr int EPL = 4*NB;       // accumulator values per lane and column
-    constexpr int SW  = 12*NB + 1;  // staged words per row
+    constexpr bool K_ISO = KB != 0;
+    constexpr bool V_ISO = VB != 0;
+    constexpr int  NB  = D/QK_ISO;   // 128-blocks per row
+    constexpr int  EPL = 4*NB;       // accumulator values per lane and column
+    constexpr int  KW  = 4*KB;       // staged index words per K block (12 or 16)
+    constexpr int  VW  = 4*VB;
+    constexpr int  SW  = 4*(KB > VB ? KB : VB)*NB + 1;  // staged words per row (K and V share the buffer)
 
     __shared__ __align__(16) float Qs[NC][D];
     __shared__ float    KQ[RQ_FA_TILE][NC];
     __shared__ uint32_t stage[RQ_FA_TILE*SW];
     __shared__ float    dsh[RQ_FA_TILE*NB];
     __shared__ float    M_sh[NC], S_sh[NC], ms_sh[NC];
-    __shared__ float    cb_sh[8];
+    __shared__ float    cbk_sh[16], cbv_sh[16]; // the codebooks of K and V (the first 8 entries for 3 bits)
 
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
@@ -177,8 +197,15 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
             }
         }
     }
-    if (tid < 8) {
-        cb_sh[tid] = iq3_codebook[tid];
+    if constexpr (K_ISO) {
+        if (tid < (1 << KB)) {
+            cbk_sh[tid] = rq_iso_level<KB>(tid);
+        }
+    }
+    if constexpr (V_ISO) {
+        if (tid < (1 << VB)) {
+            cbv_sh[tid] = rq_iso_level<VB>(tid);
+        }
     }
     if (tid < NC) {
         M_sh[tid] = -INFINITY;
@@ -218,7 +245,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
 
         // 1. stage K
         if constexpr (K_ISO) {
-            rq_fa_stage<NB, SW>(K, p.nbk1, kv0, kv_end, stage, dsh);
+            rq_fa_stage<NB, SW, KB>(K, p.nbk1, kv0, kv_end, stage, dsh);
             __syncthreads();
         }
 
@@ -245,13 +272,17 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                     }
 #pragma unroll
                     for (int ch = 0; ch < 4; ++ch) {
-                        const uint32_t w[3] = { wrow[12*b + 3*ch + 0], wrow[12*b + 3*ch + 1], wrow[12*b + 3*ch + 2] };
+                        uint32_t w[KB];
+#pragma unroll
+                        for (int i = 0; i < KB; ++i) {
+                            w[i] = wrow[KW*b + KB*ch + i];
+                        }
 #pragma unroll
                         for (int k = 0; k < 32; k += 4) {
-                            const float c0 = cb_sh[rq_idx3(w, k + 0)];
-                            const float c1 = cb_sh[rq_idx3(w, k + 1)];
-                            const float c2 = cb_sh[rq_idx3(w, k + 2)];
-                            const float c3 = cb_sh[rq_idx3(w, k + 3)];
+                            const float c0 = cbk_sh[rq_idx<KB>(w, k + 0)];
+                            const float c1 = cbk_sh[rq_idx<KB>(w, k + 1)];
+                            const float c2 = cbk_sh[rq_idx<KB>(w, k + 2)];
+                            const float c3 = cbk_sh[rq_idx<KB>(w, k + 3)];
 #pragma unroll
                             for (int c = 0; c < NC; ++c) {
                                 const float4 q4 = *(const float4 *) &Qs[c][b*QK_ISO + 32*ch + k];
@@ -348,7 +379,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
             }
         }
         if constexpr (V_ISO) {
-            rq_fa_stage<NB, SW>(V, p.nbv1, kv0, kv_end, stage, dsh);
+            rq_fa_stage<NB, SW, VB>(V, p.nbv1, kv0, kv_end, stage, dsh);
         }
         __syncthreads();
 
@@ -376,17 +407,11 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 const uint32_t * wrow = stage + r*SW;
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
-                    const int bit = 12*lane;
-                    const int wi  = bit >> 5;
-                    const int sh  = bit & 31;
-                    uint32_t bits = wrow[12*b + wi] >> sh;
-                    if (sh > 20) {
-                        bits |= wrow[12*b + wi + 1] << (32 - sh);
-                    }
+                    const uint32_t bits = rq_fa_lane_bits<VB>(wrow + VW*b, lane);
                     const float dv = dsh[r*NB + b];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float val = dv*cb_sh[(bits >> (3*e)) & 7];
+                        const float val = dv*cbv_sh[(bits >> (VB*e)) & ((1u << VB) - 1)];
 #pragma unroll
                         for (int c = 0; c < NC; ++c) {
                             acc[c][4*b + e] += pr[c]*val;
@@ -543,8 +568,8 @@ bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst) {
     const ggml_tensor * mask  = dst->src[3];
     const ggml_tensor * sinks = dst->src[4];
 
-    const bool k_iso = K->type == GGML_TYPE_ISOQUANT3_0;
-    const bool v_iso = V->type == GGML_TYPE_ISOQUANT3_0;
+    const bool k_iso = ggml_rq_type_is_iso(K->type);
+    const bool v_iso = ggml_rq_type_is_iso(V->type);
     if (!k_iso && !v_iso) {
         return false;
     }
@@ -575,28 +600,38 @@ bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst) {
     return true;
 }
 
-template <int D, int NC, bool K_ISO, bool V_ISO>
+template <int D, int NC, int KB, int VB>
 static void rq_fa_launch_main(const rq_fa_params & p, const dim3 grid, cudaStream_t stream) {
-    k_rq_fattn<D, NC, K_ISO, V_ISO><<<grid, dim3(WARP_SIZE, RQ_FA_NWARPS, 1), 0, stream>>>(p);
+    k_rq_fattn<D, NC, KB, VB><<<grid, dim3(WARP_SIZE, RQ_FA_NWARPS, 1), 0, stream>>>(p);
+}
+
+// kb, vb: index widths of K and V (3, 4; 0 = not IsoQuant, at most one of them)
+template <int D, int NC, int KB>
+static void rq_fa_launch_v(const rq_fa_params & p, const int vb, const dim3 grid, cudaStream_t stream) {
+    switch (vb) {
+        case 0: if constexpr (KB != 0) { rq_fa_launch_main<D, NC, KB, 0>(p, grid, stream); return; } break;
+        case 3: rq_fa_launch_main<D, NC, KB, 3>(p, grid, stream); return;
+        case 4: rq_fa_launch_main<D, NC, KB, 4>(p, grid, stream); return;
+    }
+    GGML_ABORT("%s: K/V index widths %d/%d", __func__, KB, vb);
 }
 
 template <int D, int NC>
-static void rq_fa_launch_kv(const rq_fa_params & p, const bool k_iso, const bool v_iso, const dim3 grid, cudaStream_t stream) {
-    if (k_iso && v_iso) {
-        rq_fa_launch_main<D, NC, true, true>(p, grid, stream);
-    } else if (k_iso) {
-        rq_fa_launch_main<D, NC, true, false>(p, grid, stream);
-    } else {
-        rq_fa_launch_main<D, NC, false, true>(p, grid, stream);
+static void rq_fa_launch_kv(const rq_fa_params & p, const int kb, const int vb, const dim3 grid, cudaStream_t stream) {
+    switch (kb) {
+        case 0: rq_fa_launch_v<D, NC, 0>(p, vb, grid, stream); break;
+        case 3: rq_fa_launch_v<D, NC, 3>(p, vb, grid, stream); break;
+        case 4: rq_fa_launch_v<D, NC, 4>(p, vb, grid, stream); break;
+        default: GGML_ABORT("%s: K index width %d", __func__, kb);
     }
 }
 
 template <int D>
-static void rq_fa_launch_nc(const rq_fa_params & p, const int nc, const bool k_iso, const bool v_iso, const dim3 grid, cudaStream_t stream) {
+static void rq_fa_launch_nc(const rq_fa_params & p, const int nc, const int kb, const int vb, const dim3 grid, cudaStream_t stream) {
     switch (nc) {
-        case 1: rq_fa_launch_kv<D, 1>(p, k_iso, v_iso, grid, stream); break;
-        case 4: rq_fa_launch_kv<D, 4>(p, k_iso, v_iso, grid, stream); break;
-        case 8: rq_fa_launch_kv<D, 8>(p, k_iso, v_iso, grid, stream); break;
+        case 1: rq_fa_launch_kv<D, 1>(p, kb, vb, grid, stream); break;
+        case 4: rq_fa_launch_kv<D, 4>(p, kb, vb, grid, stream); break;
+        case 8: rq_fa_launch_kv<D, 8>(p, kb, vb, grid, stream); break;
         default: GGML_ABORT("%s: %d columns", __func__, nc);
     }
 }
@@ -610,8 +645,9 @@ void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
 
     GGML_ASSERT(ggml_rq_cuda_fattn_supported(ctx.device, dst));
 
-    const bool k_iso = K->type == GGML_TYPE_ISOQUANT3_0;
-    const bool v_iso = V->type == GGML_TYPE_ISOQUANT3_0;
+    const int  kb    = ggml_rq_iso_bits(K->type);
+    const int  vb    = ggml_rq_iso_bits(V->type);
+    const bool v_iso = vb != 0;
     const int  D     = (int) K->ne[0];
 
     float scale, max_bias, softcap;
@@ -672,9 +708,9 @@ void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
 
     const dim3 grid((unsigned) ntile, (unsigned) (K->ne[2]*K->ne[3]), (unsigned) nsplit);
     if (D == 128) {
-        rq_fa_launch_nc<128>(p, nc, k_iso, v_iso, grid, stream);
+        rq_fa_launch_nc<128>(p, nc, kb, vb, grid, stream);
     } else {
-        rq_fa_launch_nc<256>(p, nc, k_iso, v_iso, grid, stream);
+        rq_fa_launch_nc<256>(p, nc, kb, vb, grid, stream);
     }
 
     const dim3 grid_c((unsigned) ((p.nrows + RQ_FA_NWARPS - 1)/RQ_FA_NWARPS), 1, 1);

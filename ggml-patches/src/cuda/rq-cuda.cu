@@ -5,7 +5,7 @@
 #include "rq-impl.cuh"
 
 static bool rq_is_ours(const ggml_type t) {
-    return t == GGML_TYPE_ISOQUANT3_0 || t == GGML_TYPE_ITQ3_S || t == GGML_TYPE_ISOQ_Q || t == GGML_TYPE_Q8_ITQ;
+    return ggml_rq_type_is_iso(t) || t == GGML_TYPE_ITQ3_S || t == GGML_TYPE_ISOQ_Q || t == GGML_TYPE_Q8_ITQ;
 }
 
 static bool rq_is_float_out(const ggml_type t) {
@@ -20,12 +20,12 @@ static bool rq_cpy_supported(const ggml_tensor * a, const ggml_tensor * b) {
         }
     }
     if (a->type == b->type) {
-        return a->type == GGML_TYPE_ISOQUANT3_0 || a->type == GGML_TYPE_ITQ3_S; // memcpy or strided block copy
+        return ggml_rq_type_is_iso(a->type) || a->type == GGML_TYPE_ITQ3_S;    // memcpy or strided block copy
     }
-    if (a->type == GGML_TYPE_F32 && b->type == GGML_TYPE_ISOQUANT3_0) {
+    if (a->type == GGML_TYPE_F32 && ggml_rq_type_is_iso(b->type)) {
         return a->ne[0] % QK_ISO == 0;                                          // whole blocks in every source row
     }
-    if (a->type == GGML_TYPE_ISOQUANT3_0 && (b->type == GGML_TYPE_F32 || b->type == GGML_TYPE_F16)) {
+    if (ggml_rq_type_is_iso(a->type) && (b->type == GGML_TYPE_F32 || b->type == GGML_TYPE_F16)) {
         return b->ne[0] % QK_ISO == 0;                                          // whole blocks in every destination row
     }
     return false;
@@ -63,10 +63,10 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
             }
             return 1;
         case GGML_OP_GET_ROWS:
-            return (a->type == GGML_TYPE_ISOQUANT3_0 || a->type == GGML_TYPE_ITQ3_S) && b->type == GGML_TYPE_I32 &&
+            return (ggml_rq_type_is_iso(a->type) || a->type == GGML_TYPE_ITQ3_S) && b->type == GGML_TYPE_I32 &&
                    rq_is_float_out(op->type) && a->nb[0] == ggml_type_size(a->type);
         case GGML_OP_SET_ROWS:
-            return op->type == GGML_TYPE_ISOQUANT3_0 && a->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) &&
+            return ggml_rq_type_is_iso(op->type) && a->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) &&
                    (b->type == GGML_TYPE_I64 || b->type == GGML_TYPE_I32) && a->ne[0] % QK_ISO == 0;
         case GGML_OP_CPY:
             return rq_cpy_supported(a, b);
@@ -85,7 +85,8 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
 
 to_fp16_cuda_t ggml_rq_get_to_fp16_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<half>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<half, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<half, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<half>;
         default:                    return nullptr;
     }
@@ -93,7 +94,8 @@ to_fp16_cuda_t ggml_rq_get_to_fp16_cuda(ggml_type type) {
 
 to_fp32_cuda_t ggml_rq_get_to_fp32_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<float>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<float, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<float, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<float>;
         default:                    return nullptr;
     }
@@ -101,7 +103,8 @@ to_fp32_cuda_t ggml_rq_get_to_fp32_cuda(ggml_type type) {
 
 to_bf16_cuda_t ggml_rq_get_to_bf16_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<nv_bfloat16>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<nv_bfloat16, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<nv_bfloat16, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<nv_bfloat16>;
         default:                    return nullptr;
     }
@@ -109,7 +112,8 @@ to_bf16_cuda_t ggml_rq_get_to_bf16_cuda(ggml_type type) {
 
 to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<half>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<half, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<half, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<half>;
         default:                    return nullptr;
     }
@@ -117,7 +121,8 @@ to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type) {
 
 to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<float>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<float, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<float, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<float>;
         default:                    return nullptr;
     }
@@ -125,7 +130,8 @@ to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type) {
 
 to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<nv_bfloat16>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<nv_bfloat16, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<nv_bfloat16, 4>;
         case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<nv_bfloat16>;
         default:                    return nullptr;
     }
@@ -196,7 +202,8 @@ void ggml_rq_cuda_get_rows(
         cudaStream_t stream) {
     switch (src0_type) {
         case GGML_TYPE_ISOQUANT3_0:
-            rq_iso_get_rows(src0_d, src1_d, dst_d, dst_type, ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, stream);
+        case GGML_TYPE_ISOQUANT4_0:
+            rq_iso_get_rows(src0_d, src0_type, src1_d, dst_d, dst_type, ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, stream);
             break;
         case GGML_TYPE_ITQ3_S:
             rq_itq_get_rows(src0_d, src1_d, dst_d, dst_type, ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, stream);

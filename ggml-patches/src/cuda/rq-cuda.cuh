@@ -1,7 +1,7 @@
 // RotaryQuant on CUDA: the entry points the ggml-cuda hooks of patch 0008 call. Everything else
 // (kernels, launch decisions, counters) lives in the .cu files beside this header.
 //
-//   ISOQUANT3_0  SET_ROWS / CPY F32->ISO (bit-exact device quantiser), CPY ISO->F32/F16, GET_ROWS,
+//   ISOQUANT3_0, ISOQUANT4_0  SET_ROWS / CPY F32->ISO (bit-exact device quantiser), CPY ISO->F32/F16, GET_ROWS,
 //                to_fp16/fp32/bf16 (+ _nc) with the inverse rotation, fused FLASH_ATTN_EXT (fattn-iso.cu)
 //   ITQ3_S       to_fp16/fp32/bf16 (+ _nc) with the inverse FWHT, GET_ROWS, MUL_MAT(_ID) at small batch
 //                (activations rotated once, int8 dot against the codes); larger batches: to_fp16 + cuBLAS
@@ -14,7 +14,7 @@
 int ggml_rq_cuda_supports_op(const ggml_tensor * op);
 
 // dequantisers for the upstream getters (convert.cu); nullptr for other types. Each call adds the
-// ISOQUANT3_0 blocks it reconstructs to GGML_RQ_ISO_DEQUANT_ROWS (host side).
+// IsoQuant blocks it reconstructs to GGML_RQ_ISO_DEQUANT_ROWS (host side).
 to_fp16_cuda_t    ggml_rq_get_to_fp16_cuda   (ggml_type type);
 to_fp32_cuda_t    ggml_rq_get_to_fp32_cuda   (ggml_type type);
 to_bf16_cuda_t    ggml_rq_get_to_bf16_cuda   (ggml_type type);
@@ -22,14 +22,14 @@ to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type);
 to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type);
 to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type);
 
-// SET_ROWS into an ISOQUANT3_0 tensor (F32 source rows)
+// SET_ROWS into an ISOQUANT3_0/4_0 tensor (F32 source rows)
 void ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
 // CPY/DUP/CONT with one of our types on either side; false: not ours (same-type contiguous copies
 // are left to upstream's memcpy)
 bool ggml_rq_cuda_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1);
 
-// GET_ROWS from ISOQUANT3_0 / ITQ3_S rows; the signature of upstream's get_rows_cuda
+// GET_ROWS from ISOQUANT3_0/4_0 / ITQ3_S rows; the signature of upstream's get_rows_cuda
 void ggml_rq_cuda_get_rows(
         const void * src0_d, ggml_type src0_type, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
@@ -41,7 +41,7 @@ void ggml_rq_cuda_get_rows(
 void ggml_rq_cuda_mul_mat_vec_itq3_s(ggml_backend_cuda_context & ctx,
         const ggml_tensor * src0, const ggml_tensor * src1, const ggml_tensor * ids, ggml_tensor * dst);
 
-// fused IsoQuant flash attention (K and/or V ISOQUANT3_0; the other one F16 or Q8_0)
+// fused IsoQuant flash attention (K and/or V ISOQUANT3_0/4_0, any mix of widths; a non-IsoQuant side F16 or Q8_0)
 bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst);
 void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 

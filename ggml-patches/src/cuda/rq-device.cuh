@@ -1,7 +1,7 @@
 // RotaryQuant device helpers: the constant tables in device memory and warp-cooperative transforms.
 //
 // Lane layout, used by every kernel here:
-//   ISOQUANT3_0 (128 values): lane l holds v[e] = x[4l + e], e = 0..3, i.e. exactly SO(4) group l.
+//   ISOQUANT3_0/4_0 (128 values): lane l holds v[e] = x[4l + e], e = 0..3, i.e. exactly SO(4) group l.
 //     WHT butterflies of length 1 and 2 stay in the lane, lengths 4..64 pair lane l with l ^ 1..16.
 //   ITQ3_S (256 values):      lane l holds v[e] = x[8l + e], e = 0..7; lengths 1, 2, 4 in the lane,
 //     8..128 across lanes.
@@ -13,6 +13,8 @@
 
 #include "ggml-cuda/common.cuh"
 #include "ggml-rq.h"
+
+#include <type_traits>
 
 // the generated headers define every table; a file uses only some of them
 #pragma nv_diag_suppress 177
@@ -116,24 +118,55 @@ static __device__ __forceinline__ void rq_iso_rotate_inv_warp(float v[4], const 
     }
 }
 
-// the 12 index bits of lane l (indices 4l..4l+3) of a packed block: group l/2 is the 24-bit word
-// qs[3g] | qs[3g+1] << 8 | qs[3g+2] << 16, the even lane takes its low half
+// the two IsoQuant widths: BITS = 3 (ISOQUANT3_0) or 4 (ISOQUANT4_0); same rotation, scale and layout rule
+template <int BITS> struct rq_iso_fmt;
+template <> struct rq_iso_fmt<3> { using block = block_isoquant3_0; static constexpr ggml_type type = GGML_TYPE_ISOQUANT3_0; };
+template <> struct rq_iso_fmt<4> { using block = block_isoquant4_0; static constexpr ggml_type type = GGML_TYPE_ISOQUANT4_0; };
+
+// codebook level i, or (BOUND) decision threshold i, of the BITS-bit codebook
+template <int BITS, bool BOUND = false>
+static __device__ __forceinline__ float rq_iso_level(const int i) {
+    if constexpr (BITS == 3) {
+        return BOUND ? iq3_bounds[i] : iq3_codebook[i];
+    } else {
+        return BOUND ? iq4_bounds[i] : iq4_codebook[i];
+    }
+}
+
+// the 4*BITS index bits of lane l (indices 4l..4l+3) of a packed block: group l/2 is the BITS-byte
+// little-endian word at qs[BITS*g], the even lane takes its low half
+template <int BITS>
 static __device__ __forceinline__ uint32_t rq_iso_lane_bits(const uint8_t * qs, const int lane) {
-    const uint8_t * p = qs + 3*(lane >> 1);
-    const uint32_t w = p[0] | (uint32_t) p[1] << 8 | (uint32_t) p[2] << 16;
-    return (w >> (12*(lane & 1))) & 0xfff;
+    const uint8_t * p = qs + BITS*(lane >> 1);
+    uint32_t w = 0;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) {
+        w |= (uint32_t) p[b] << (8*b);
+    }
+    return (w >> (4*BITS*(lane & 1))) & ((1u << (4*BITS)) - 1);
 }
 
 // dequantise one block into the lane's 4 values (rotated back to the original domain)
-static __device__ __forceinline__ void rq_iso_dequant_warp(const block_isoquant3_0 * b, float v[4], const int variant) {
+template <int BITS>
+static __device__ __forceinline__ void rq_iso_dequant_warp(const typename rq_iso_fmt<BITS>::block * b, float v[4], const int variant) {
     const int lane = rq_lane();
     const float    d    = __half2float(b->d);
-    const uint32_t bits = rq_iso_lane_bits(b->qs, lane);
+    const uint32_t bits = rq_iso_lane_bits<BITS>(b->qs, lane);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-        v[e] = __fmul_rn(d, iq3_codebook[(bits >> (3*e)) & 7]);
+        v[e] = __fmul_rn(d, rq_iso_level<BITS>((bits >> (BITS*e)) & ((1u << BITS) - 1)));
     }
     rq_iso_rotate_inv_warp(v, variant);
+}
+
+// calls f(std::integral_constant<int, BITS>) for an IsoQuant type (host side dispatch)
+template <typename F>
+static void rq_iso_with_bits(const ggml_type type, F && f) {
+    switch (type) {
+        case GGML_TYPE_ISOQUANT3_0: f(std::integral_constant<int, 3>{}); break;
+        case GGML_TYPE_ISOQUANT4_0: f(std::integral_constant<int, 4>{}); break;
+        default: GGML_ABORT("%s: %s is not an IsoQuant type", __func__, ggml_type_name(type));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -2,16 +2,17 @@
 #pragma once
 
 #include "rq-cuda.cuh"
+#include "ggml-rq.h"
 
 #define RQ_WARPS_PER_BLOCK 4 // kernels that give one warp to one quant block use 4 warps per CUDA block
 
-// ISOQUANT3_0 (rq-iso.cu)
-template <typename T> void rq_iso_to_cuda(const void * x, T * y, int64_t k, cudaStream_t stream);
-template <typename T> void rq_iso_to_nc_cuda(const void * x, T * y, int64_t ne00, int64_t ne01, int64_t ne02, int64_t ne03,
+// ISOQUANT3_0 (BITS = 3) and ISOQUANT4_0 (BITS = 4) (rq-iso.cu)
+template <typename T, int BITS> void rq_iso_to_cuda(const void * x, T * y, int64_t k, cudaStream_t stream);
+template <typename T, int BITS> void rq_iso_to_nc_cuda(const void * x, T * y, int64_t ne00, int64_t ne01, int64_t ne02, int64_t ne03,
                                              int64_t s01, int64_t s02, int64_t s03, cudaStream_t stream);
 void rq_iso_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void rq_iso_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1);
-void rq_iso_get_rows(const void * src0_d, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
+void rq_iso_get_rows(const void * src0_d, ggml_type src0_type, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
         size_t nb1, size_t nb2, size_t nb3, cudaStream_t stream);

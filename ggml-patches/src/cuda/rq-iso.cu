@@ -1,6 +1,6 @@
-// ISOQUANT3_0 on CUDA: the device quantiser (SET_ROWS, CPY F32->ISO) and the dequantisers (to_fp16/
-// fp32/bf16 and their _nc twins, CPY ISO->F32/F16, GET_ROWS). One warp per 128-value block, lane l
-// owning values 4l..4l+3 (rq-device.cuh).
+// ISOQUANT3_0/ISOQUANT4_0 on CUDA, every kernel templated on the index width BITS: the device quantiser
+// (SET_ROWS, CPY F32->ISO) and the dequantisers (to_fp16/fp32/bf16 and their _nc twins, CPY ISO->F32/F16,
+// GET_ROWS). One warp per 128-value block, lane l owning values 4l..4l+3 (rq-device.cuh).
 //
 // Bit-exact with ggml-rq/isoquant.c: this file is compiled with -ftz=false -prec-div=true
 // -prec-sqrt=true -fmad=false (rq-cuda.cmake), the float64 norm is the same fixed tree
@@ -25,8 +25,9 @@ static __device__ __forceinline__ double rq_iso_tree_sum_warp(double a[4]) {
     return __shfl_sync(RQ_FULL_MASK, s, 0);
 }
 
-// quantize_row_isoquant3_0_ref for one block; x[e] = value 4*lane + e
-static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], block_isoquant3_0 * y, const int variant) {
+// quantize_row_isoquant{3,4}_0_ref for one block; x[e] = value 4*lane + e
+template <int BITS>
+static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], typename rq_iso_fmt<BITS>::block * y, const int variant) {
     const int lane = rq_lane();
 
     double a[4];
@@ -50,11 +51,11 @@ static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], bl
     for (int e = 0; e < 4; ++e) {
         int idx = 0;
 #pragma unroll
-        for (int k = 0; k < 7; ++k) {
-            idx += v[e] > iq3_bounds[k];
+        for (int k = 0; k < (1 << BITS) - 1; ++k) {
+            idx += v[e] > rq_iso_level<BITS, true>(k);
         }
-        bits |= (uint32_t) idx << (3*e);
-        const double cd = (double) iq3_codebook[idx];
+        bits |= (uint32_t) idx << (BITS*e);
+        const double cd = (double) rq_iso_level<BITS>(idx);
         c[e] = __dmul_rn(cd, cd);
     }
     // norm-preserving scale; the codebook has no zero level, so the tree sum is > 0
@@ -62,11 +63,12 @@ static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], bl
 
     const uint32_t hi = __shfl_down_sync(RQ_FULL_MASK, bits, 1);
     if ((lane & 1) == 0) {
-        const uint32_t w = bits | hi << 12;
-        uint8_t * q = y->qs + 3*(lane >> 1);
-        q[0] = (uint8_t) (w & 0xff);
-        q[1] = (uint8_t) ((w >> 8) & 0xff);
-        q[2] = (uint8_t) (w >> 16);
+        const uint32_t w = bits | hi << (4*BITS);
+        uint8_t * q = y->qs + BITS*(lane >> 1);
+#pragma unroll
+        for (int b = 0; b < BITS; ++b) {
+            q[b] = (uint8_t) ((w >> (8*b)) & 0xff);
+        }
     }
     if (lane == 0) {
         y->d = __float2half_rn(__double2float_rn(dd < 65504.0 ? dd : 65504.0));
@@ -80,7 +82,7 @@ static __device__ __forceinline__ int64_t rq_warp_id() {
 // ---------------------------------------------------------------------------------------------
 // kernels
 
-template <typename idx_t>
+template <typename idx_t, int BITS>
 static __global__ void k_iso_set_rows(
         const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
         const int64_t nblk, const int64_t ne01, const int64_t ne02,
@@ -103,12 +105,13 @@ static __global__ void k_iso_set_rows(
 
     const float * x = (const float *) (src0 + i01*nb01 + i02*nb02 + i03*nb03) + ib*QK_ISO + 4*rq_lane();
     const float v[4] = { x[0], x[1], x[2], x[3] };
-    block_isoquant3_0 * y = (block_isoquant3_0 *) (dst + dst_row*nb1 + i02*nb2 + i03*nb3) + ib;
-    rq_iso_quantize_warp(v, y, variant);
+    auto * y = (typename rq_iso_fmt<BITS>::block *) (dst + dst_row*nb1 + i02*nb2 + i03*nb3) + ib;
+    rq_iso_quantize_warp<BITS>(v, y, variant);
 }
 
 // ggml_cpy F32 -> ISO: element order of the flattened tensors, one 128-block per warp (the rows of
 // both tensors hold whole blocks)
+template <int BITS>
 static __global__ void k_iso_cpy_f32_iso(
         const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
         const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
@@ -136,10 +139,10 @@ static __global__ void k_iso_cpy_f32_iso(
     for (int e = 0; e < 4; ++e) {
         v[e] = *(const float *) (x + e*nb00);
     }
-    rq_iso_quantize_warp(v, (block_isoquant3_0 *) (cdst + (i10/QK_ISO)*nb10 + i11*nb11 + i12*nb12 + i13*nb13), variant);
+    rq_iso_quantize_warp<BITS>(v, (typename rq_iso_fmt<BITS>::block *) (cdst + (i10/QK_ISO)*nb10 + i11*nb11 + i12*nb12 + i13*nb13), variant);
 }
 
-template <typename dst_t>
+template <typename dst_t, int BITS>
 static __global__ void k_iso_cpy_iso_f(
         const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
         const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
@@ -162,7 +165,7 @@ static __global__ void k_iso_cpy_iso_f(
     const int64_t i10 = i - i13*ne10*ne11*ne12 - i12*ne10*ne11 - i11*ne10;
 
     float v[4];
-    rq_iso_dequant_warp((const block_isoquant3_0 *) (cx + (i00/QK_ISO)*nb00 + i01*nb01 + i02*nb02 + i03*nb03), v, variant);
+    rq_iso_dequant_warp<BITS>((const typename rq_iso_fmt<BITS>::block *) (cx + (i00/QK_ISO)*nb00 + i01*nb01 + i02*nb02 + i03*nb03), v, variant);
 
     char * y = cdst + (i10 + 4*rq_lane())*nb10 + i11*nb11 + i12*nb12 + i13*nb13;
 #pragma unroll
@@ -171,14 +174,14 @@ static __global__ void k_iso_cpy_iso_f(
     }
 }
 
-template <typename dst_t>
-static __global__ void k_iso_to(const block_isoquant3_0 * __restrict__ x, dst_t * __restrict__ y, const int64_t nb, const int variant) {
+template <typename dst_t, int BITS>
+static __global__ void k_iso_to(const typename rq_iso_fmt<BITS>::block * __restrict__ x, dst_t * __restrict__ y, const int64_t nb, const int variant) {
     const int64_t ib = rq_warp_id();
     if (ib >= nb) {
         return;
     }
     float v[4];
-    rq_iso_dequant_warp(x + ib, v, variant);
+    rq_iso_dequant_warp<BITS>(x + ib, v, variant);
     dst_t * yb = y + ib*QK_ISO + 4*rq_lane();
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -187,8 +190,8 @@ static __global__ void k_iso_to(const block_isoquant3_0 * __restrict__ x, dst_t 
 }
 
 // strided source (strides in blocks), contiguous destination
-template <typename dst_t>
-static __global__ void k_iso_to_nc(const block_isoquant3_0 * __restrict__ x, dst_t * __restrict__ y, const int64_t nw,
+template <typename dst_t, int BITS>
+static __global__ void k_iso_to_nc(const typename rq_iso_fmt<BITS>::block * __restrict__ x, dst_t * __restrict__ y, const int64_t nw,
         const int64_t nblk, const int64_t ne01, const int64_t ne02,
         const int64_t s01, const int64_t s02, const int64_t s03, const int variant) {
     const int64_t w = rq_warp_id();
@@ -202,7 +205,7 @@ static __global__ void k_iso_to_nc(const block_isoquant3_0 * __restrict__ x, dst
     const int64_t i03 = t / ne02;
 
     float v[4];
-    rq_iso_dequant_warp(x + i03*s03 + i02*s02 + i01*s01 + ib, v, variant);
+    rq_iso_dequant_warp<BITS>(x + i03*s03 + i02*s02 + i01*s01 + ib, v, variant);
     dst_t * yb = y + (((i03*ne02 + i02)*ne01 + i01)*nblk + ib)*QK_ISO + 4*rq_lane();
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -210,7 +213,7 @@ static __global__ void k_iso_to_nc(const block_isoquant3_0 * __restrict__ x, dst
     }
 }
 
-template <typename dst_t>
+template <typename dst_t, int BITS>
 static __global__ void k_iso_get_rows(
         const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
         const int64_t nblk, const int64_t ne10, const int64_t ne11,
@@ -229,7 +232,7 @@ static __global__ void k_iso_get_rows(
     const int64_t i01 = *(const int32_t *) (src1 + i10*nb10 + i11*nb11 + i12*nb12);
 
     float v[4];
-    rq_iso_dequant_warp((const block_isoquant3_0 *) (src0 + i01*nb01 + i11*nb02 + i12*nb03) + ib, v, variant);
+    rq_iso_dequant_warp<BITS>((const typename rq_iso_fmt<BITS>::block *) (src0 + i01*nb01 + i11*nb02 + i12*nb03) + ib, v, variant);
     dst_t * yb = (dst_t *) (dst + i10*nb1 + i11*nb2 + i12*nb3) + ib*QK_ISO + 4*rq_lane();
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
@@ -244,18 +247,18 @@ static int rq_iso_variant() {
     return (int) ggml_rq_iso_get_variant();
 }
 
-template <typename T>
+template <typename T, int BITS>
 void rq_iso_to_cuda(const void * x, T * y, const int64_t k, cudaStream_t stream) {
     GGML_ASSERT(k % QK_ISO == 0);
     const int64_t nb = k / QK_ISO;
     if (nb == 0) {
         return;
     }
-    k_iso_to<T><<<rq_warp_grid(nb), rq_warp_block(), 0, stream>>>((const block_isoquant3_0 *) x, y, nb, rq_iso_variant());
+    k_iso_to<T, BITS><<<rq_warp_grid(nb), rq_warp_block(), 0, stream>>>((const typename rq_iso_fmt<BITS>::block *) x, y, nb, rq_iso_variant());
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
 }
 
-template <typename T>
+template <typename T, int BITS>
 void rq_iso_to_nc_cuda(const void * x, T * y, const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t ne03,
                        const int64_t s01, const int64_t s02, const int64_t s03, cudaStream_t stream) {
     GGML_ASSERT(ne00 % QK_ISO == 0);
@@ -264,17 +267,21 @@ void rq_iso_to_nc_cuda(const void * x, T * y, const int64_t ne00, const int64_t 
     if (nw == 0) {
         return;
     }
-    k_iso_to_nc<T><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
-        (const block_isoquant3_0 *) x, y, nw, nblk, ne01, ne02, s01, s02, s03, rq_iso_variant());
+    k_iso_to_nc<T, BITS><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
+        (const typename rq_iso_fmt<BITS>::block *) x, y, nw, nblk, ne01, ne02, s01, s02, s03, rq_iso_variant());
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
 }
 
-template void rq_iso_to_cuda<float>      (const void *, float *,       int64_t, cudaStream_t);
-template void rq_iso_to_cuda<half>       (const void *, half *,        int64_t, cudaStream_t);
-template void rq_iso_to_cuda<nv_bfloat16>(const void *, nv_bfloat16 *, int64_t, cudaStream_t);
-template void rq_iso_to_nc_cuda<float>      (const void *, float *,       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-template void rq_iso_to_nc_cuda<half>       (const void *, half *,        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-template void rq_iso_to_nc_cuda<nv_bfloat16>(const void *, nv_bfloat16 *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+#define RQ_ISO_TO_INSTANCES(BITS)                                                                                 \
+template void rq_iso_to_cuda<float,       BITS>(const void *, float *,       int64_t, cudaStream_t);             \
+template void rq_iso_to_cuda<half,        BITS>(const void *, half *,        int64_t, cudaStream_t);             \
+template void rq_iso_to_cuda<nv_bfloat16, BITS>(const void *, nv_bfloat16 *, int64_t, cudaStream_t);             \
+template void rq_iso_to_nc_cuda<float,       BITS>(const void *, float *,       int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t); \
+template void rq_iso_to_nc_cuda<half,        BITS>(const void *, half *,        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t); \
+template void rq_iso_to_nc_cuda<nv_bfloat16, BITS>(const void *, nv_bfloat16 *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+RQ_ISO_TO_INSTANCES(3)
+RQ_ISO_TO_INSTANCES(4)
+#undef RQ_ISO_TO_INSTANCES
 
 void rq_iso_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * src0 = dst->src[0];
@@ -282,7 +289,7 @@ void rq_iso_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     GGML_TENSOR_BINARY_OP_LOCALS
 
-    GGML_ASSERT(dst->type == GGML_TYPE_ISOQUANT3_0);
+    GGML_ASSERT(ggml_rq_type_is_iso(dst->type));
     GGML_ASSERT(src0->type == GGML_TYPE_F32 && nb00 == sizeof(float));
     GGML_ASSERT(src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32);
     GGML_ASSERT(ne00 % QK_ISO == 0);
@@ -293,15 +300,14 @@ void rq_iso_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         return;
     }
     cudaStream_t stream = ctx.stream();
-    if (src1->type == GGML_TYPE_I64) {
-        k_iso_set_rows<int64_t><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
+    const bool i64 = src1->type == GGML_TYPE_I64;
+    rq_iso_with_bits(dst->type, [&](auto bits) {
+        constexpr int B = decltype(bits)::value;
+        auto kernel = i64 ? k_iso_set_rows<int64_t, B> : k_iso_set_rows<int32_t, B>;
+        kernel<<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
             (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nw, nblk, ne01, ne02,
             nb01, nb02, nb03, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant());
-    } else {
-        k_iso_set_rows<int32_t><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
-            (const char *) src0->data, (const char *) src1->data, (char *) dst->data, nw, nblk, ne01, ne02,
-            nb01, nb02, nb03, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant());
-    }
+    });
     ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nw);
 }
 
@@ -323,14 +329,21 @@ void rq_iso_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_
     src1->ne[0], src1->ne[1], src1->ne[2], (int64_t) src1->nb[0], (int64_t) src1->nb[1], (int64_t) src1->nb[2], (int64_t) src1->nb[3], \
     rq_iso_variant()
 
-    if (src0->type == GGML_TYPE_F32 && src1->type == GGML_TYPE_ISOQUANT3_0) {
-        k_iso_cpy_f32_iso<<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+    if (src0->type == GGML_TYPE_F32 && ggml_rq_type_is_iso(src1->type)) {
+        rq_iso_with_bits(src1->type, [&](auto bits) {
+            k_iso_cpy_f32_iso<decltype(bits)::value><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+        });
         ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nw);
-    } else if (src0->type == GGML_TYPE_ISOQUANT3_0 && src1->type == GGML_TYPE_F32) {
-        k_iso_cpy_iso_f<float><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
-        ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
-    } else if (src0->type == GGML_TYPE_ISOQUANT3_0 && src1->type == GGML_TYPE_F16) {
-        k_iso_cpy_iso_f<half><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+    } else if (ggml_rq_type_is_iso(src0->type) && (src1->type == GGML_TYPE_F32 || src1->type == GGML_TYPE_F16)) {
+        const bool f32 = src1->type == GGML_TYPE_F32;
+        rq_iso_with_bits(src0->type, [&](auto bits) {
+            constexpr int B = decltype(bits)::value;
+            if (f32) {
+                k_iso_cpy_iso_f<float, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+            } else {
+                k_iso_cpy_iso_f<half, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+            }
+        });
         ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
     } else {
         GGML_ABORT("%s: unsupported copy %s -> %s", __func__, ggml_type_name(src0->type), ggml_type_name(src1->type));
@@ -338,7 +351,7 @@ void rq_iso_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_
 #undef RQ_CPY_ARGS
 }
 
-void rq_iso_get_rows(const void * src0_d, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
+void rq_iso_get_rows(const void * src0_d, ggml_type src0_type, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
         size_t nb1, size_t nb2, size_t nb3, cudaStream_t stream) {
@@ -352,19 +365,22 @@ void rq_iso_get_rows(const void * src0_d, const int32_t * src1_d, void * dst_d, 
 #define RQ_GET_ROWS_ARGS (const char *) src0_d, (const char *) src1_d, (char *) dst_d, nw, nblk, ne10, ne11, \
     nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant()
 
-    switch (dst_type) {
-        case GGML_TYPE_F32:
-            k_iso_get_rows<float><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        case GGML_TYPE_F16:
-            k_iso_get_rows<half><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        case GGML_TYPE_BF16:
-            k_iso_get_rows<nv_bfloat16><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        default:
-            GGML_ABORT("%s: unsupported dst type %s", __func__, ggml_type_name(dst_type));
-    }
+    rq_iso_with_bits(src0_type, [&](auto bits) {
+        constexpr int B = decltype(bits)::value;
+        switch (dst_type) {
+            case GGML_TYPE_F32:
+                k_iso_get_rows<float, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+                break;
+            case GGML_TYPE_F16:
+                k_iso_get_rows<half, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+                break;
+            case GGML_TYPE_BF16:
+                k_iso_get_rows<nv_bfloat16, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
+                break;
+            default:
+                GGML_ABORT("%s: unsupported dst type %s", __func__, ggml_type_name(dst_type));
+        }
+    });
 #undef RQ_GET_ROWS_ARGS
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
 }
