@@ -159,15 +159,17 @@ def build(results: Path) -> Path:
     else:
         body += ["## Rotation ablation", "", "_not run: `rq-eval ablation`_", ""]
 
-    niah = _load(results, "niah")
-    if niah:
+    niah_files = sorted(results.glob("niah*.json"))
+    by: dict[tuple[str, int], tuple[int, int]] = {}
+    for nf in niah_files:
         from rotaryquant.eval import niah as niah_mod
 
+        niah = json.loads(nf.read_text())
         body += [niah_mod.to_markdown(niah), ""]
-        by = {}
         for r in niah["rows"]:
             f, a = by.get((r["cache"], r["ctx"]), (0, 0))
             by[(r["cache"], r["ctx"])] = (f + r["found"], a + r["asked"])
+    if by:
         measured["niah"] = "; ".join(f"{c} @{x}: {f}/{a}" for (c, x), (f, a) in sorted(by.items(), key=lambda k: (k[0][1], k[0][0])))
     else:
         body += ["## Needle in a haystack", "", "_not run: `rq-eval niah`_", ""]

@@ -30,3 +30,4 @@ def test_iso_specs():
     assert kvtypes.validate("isoquant4_0/isoquant3_0") == "isoquant4_0/isoquant3_0"
     with pytest.raises(RQTypeError):
         kvtypes.validate("isoquant5_0")
+

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
+from rotaryquant.eval.logits import kld as _kld
 from rotaryquant.converter import kcenter
 
 pytestmark = pytest.mark.slow
@@ -50,14 +51,6 @@ def _eval_ids(model, text_file, n):
     return tok.tokenize(evaluation_text().read_bytes()[:n * 8])[:n]
 
 
-def _logsoftmax(x):
-    x = x - x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-
-
-def _kld(p, q):
-    lp, lq = _logsoftmax(p), _logsoftmax(q)
-    return float((np.exp(lp) * (lp - lq)).sum(axis=1).mean())
 
 
 def _scores(model, t, ids, **kw):

@@ -11,18 +11,11 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
+from rotaryquant.eval.logits import kld as _kld
 
 pytestmark = pytest.mark.slow
 
 
-def _logsoftmax(x):
-    x = x - x.max(axis=1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-
-
-def _kld(p_logits, q_logits):
-    lp, lq = _logsoftmax(p_logits), _logsoftmax(q_logits)
-    return float((np.exp(lp) * (lp - lq)).sum(axis=1).mean())
 
 
 def _scores(model, t, a, b, shift=None):
