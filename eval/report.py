@@ -125,7 +125,8 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
         ax.set_title(f"KV-cache KLD vs context ({kvq['model']})")
         ax.legend(fontsize=8)
 
-    p = _plot(out / png, kld_vs_ctx)
+    # one context: the table says it all
+    p = _plot(out / png, kld_vs_ctx) if len({r["ctx"] for r in rows}) > 1 else None
     ctx = max(r["ctx"] for r in rows)
     base = next(r["ppl"] for r in rows if r["label"] == "f16" and r["ctx"] == ctx)
     for label, key in (("isoquant3_0", "iso_dppl"), ("isoquant3_0+calib", "iso_calib_dppl")):
@@ -135,7 +136,7 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
             measured[key] = (prev + "; " if prev else "") + (
                 f"{kvq['model']} ctx {ctx}: ΔPPL {iso['ppl'] - base:+.3f} (PPL {base:.2f} → {iso['ppl']:.2f}), "
                 f"KLD {iso['kld_mean']:.4f}")
-    return [kvquality.to_markdown(kvq), f"![]({p})", ""]
+    return [kvquality.to_markdown(kvq), *([f"![]({p})"] if p else []), ""]
 
 
 def build(results: Path) -> Path:
@@ -144,6 +145,10 @@ def build(results: Path) -> Path:
     body: list[str] = []
     kvb = _load(results, "kv-bench")
     body += _kv_speed_section(kvb, results, measured) if kvb else ["## KV-cache speed", "", "_not run: `rq-bench`_", ""]
+    for f in sorted(results.glob("kv-bench-*.json")):  # further speed runs (e.g. with/without K calibration)
+        from rotaryquant.eval import kvbench
+
+        body += [kvbench.to_markdown(json.loads(f.read_text())).replace("# KV-cache benchmark", "## KV-cache speed"), ""]
     kvq_files = sorted(results.glob("kv-quality*.json"))
     for f in kvq_files:
         body += _kv_quality_section(json.loads(f.read_text()), results, measured, png=f"{f.stem}-kld-vs-ctx.png")
