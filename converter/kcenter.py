@@ -43,7 +43,7 @@ LAM_MIN, LAM_MAX = 2.0**-8, 2.0**8  # keeps K/lam and Q*lam well inside fp16 for
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
 _REFUSED_ARCHS = {"grok": "tanh-scaled attention logits", "gemma2": "attention logit soft-capping"}
 # archs that write the K cache outside build_attn or share K with V; the runtime refuses them too
-_UNHOOKED_ARCHS = ("deepseek2", "deepseek32", "deepseek4", "glm-dsa", "hy-v4", "dflash", "glm5-next",
+_UNHOOKED_ARCHS = ("deepseek2", "deepseek32", "deepseek4", "glm-dsa", "hy_v4", "dflash", "glm5-next",
                    "minimax-m3", "qwen4exp", "dots3note", "kimi-linear", "bailingmoe3")
 
 
