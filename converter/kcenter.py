@@ -266,10 +266,10 @@ def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: P
                        text_sha256=hashlib.sha256(text).hexdigest())
 
 
-def _bar(total: int, enabled: bool) -> Any:
+def _bar(total: int, enabled: bool, unit: str = "tok", desc: str = "calibrating K") -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="tok", desc="calibrating K", disable=not enabled, leave=False)
+    return tqdm(total=total, unit=unit, desc=desc, disable=not enabled, leave=False)
 
 
 # --- GGUF rewrite (metadata only, data copied verbatim) -----------------------------------------------
@@ -338,8 +338,7 @@ def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefi
             out.write(b"\0" * (-out.tell() % align))
             fin.seek(r.data_offset)
             total = os.path.getsize(src) - r.data_offset
-            bar = _bar(total, progress)
-            bar.unit, bar.desc = "B", "writing"
+            bar = _bar(total, progress, unit="B", desc="writing")
             while chunk := fin.read(1 << 24):
                 out.write(chunk)
                 bar.update(len(chunk))
@@ -380,7 +379,7 @@ def calibrate(model: str | Path, output: str | Path | None = None, *, text: str 
         raise ConvertError(f"calibration text {text} does not exist", fix="give a UTF-8 text file with -f")
     if n_tokens < MIN_TOKENS:
         raise ConvertError(f"--tokens {n_tokens} is below the minimum {MIN_TOKENS}", fix=f"use --tokens {MIN_TOKENS} or more")
-    # the text's first 4 bytes per token is ample to reach n_tokens
+    # 16 bytes of text per wanted token is ample (English BPE: ~4 bytes per token)
     data = text.read_bytes()[: max(n_tokens, MIN_TOKENS) * 16]
     cal = collect(model, data, text_name=text.name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
                   progress=progress, verbose=verbose)

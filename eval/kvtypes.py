@@ -4,14 +4,14 @@ optional "+calib" suffix: use the model's K-cache calibration (rq-calibrate). Wi
 
 from __future__ import annotations
 
+from rotaryquant.bindings.ggml import ISO_TYPES  # the IsoQuant KV types
+
 CALIB = "+calib"
 
 
 def k_center(spec: str) -> bool:
     return spec.strip().endswith(CALIB)
 
-
-ISO_TYPES = ("isoquant3_0", "isoquant4_0")  # the IsoQuant KV types (fused attention, unfused switch)
 
 
 def split(spec: str) -> tuple[str, str]:
