@@ -1,6 +1,7 @@
 """rq-eval: measure KV-cache and weight types against the model's own F16.
 
   rq-eval ppl       perplexity/KLD of KV-cache types (fused and unfused) vs an F16 KV baseline
+  rq-eval decode    KLD of KV-cache types while decoding (prefill N, then M single-token steps), deferred off/on
   rq-eval ablation  the paper's rotation variants (Table 8) and "no inverse rotation"
   rq-eval niah      multi-key needle in a haystack per KV type and context
   rq-eval gate      the 12-prompt quality gate per KV type
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from rotaryquant import assets, paths
 from rotaryquant.bindings import RQTypeError
-from rotaryquant.eval import ablation, data, gate, kvquality, kvtypes, niah, perplexity, report, serve, weights
+from rotaryquant.eval import (ablation, data, decode, gate, kvquality, kvtypes, niah, perplexity, report, serve,
+                              weights)
 
 RESULTS = paths.REPO / "docs" / "results"
 
@@ -39,8 +41,32 @@ def cmd_ppl(ns: argparse.Namespace) -> None:
     types = _types(ns.kv)
     ctxs = [int(c) for c in ns.ctx.split(",")]
     res = kvquality.run(model, data.evaluation_text(), kv_types=types, ctxs=ctxs, chunks=ns.chunks,
-                        unfused=ns.unfused, threads=ns.threads)
+                        unfused=ns.unfused, deferred=ns.deferred, threads=ns.threads)
     _write(ns.out or RESULTS / "kv-quality", res, kvquality.to_markdown(res))
+
+
+def cmd_decode(ns: argparse.Namespace) -> None:
+    model = _model(ns, assets.ISO_MODEL)
+    text = ns.text or data.evaluation_text()
+    if not Path(text).exists():
+        raise ValueError(f"text {text} does not exist")
+    prefill = _ints(ns.prefill, "--prefill")
+    modes = {"off": False, "on": True}
+    deferred = []
+    for d in (x.strip() for x in ns.deferred.split(",") if x.strip()):
+        if d not in modes:
+            raise ValueError(f"--deferred takes off, on or off,on; got {d!r}")
+        deferred.append(modes[d])
+    res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=prefill, tokens=ns.tokens,
+                     deferred=list(dict.fromkeys(deferred)), threads=ns.threads)
+    _write(ns.out or RESULTS / "decode", res, decode.to_markdown(res))
+
+
+def _ints(spec: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} takes comma-separated integers, got {spec!r}") from None
 
 
 def cmd_weights(ns: argparse.Namespace) -> None:
@@ -127,9 +153,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", default="512,2048", help="context sizes, comma-separated (default: %(default)s)")
     p.add_argument("--chunks", type=int, default=8, help="chunks per context (default: %(default)s)")
     p.add_argument("--unfused", action="store_true", help="also run isoquant3_0 unfused")
+    p.add_argument("--deferred", action="store_true",
+                   help="also run each non-f16 type with deferred prefill (LLAMA_KV_DEFERRED=1), labelled "
+                        "'TYPE deferred': llama-perplexity is all prefill, so these rows show it no longer "
+                        "reads the quantised cache (KLD ~0); decode-time quality: rq-eval decode")
     p.add_argument("-t", "--threads", type=int, default=2)
     p.add_argument("-o", "--out", type=Path, help="output stem (default: docs/results/kv-quality)")
     p.set_defaults(fn=cmd_ppl)
+
+    d = sub.add_parser("decode", help="KV-cache types while decoding: KLD per step vs F16 KV, deferred off/on")
+    d.add_argument("--model", type=Path, help="GGUF (default: the embedded Gemma3-270M)")
+    d.add_argument("--kv", default="q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0",
+                   help="cache types, each a type or a K/V pair, +calib to use the model's K calibration "
+                        "(default: %(default)s); f16 is the baseline")
+    d.add_argument("--prefill", default="512,2048,8192", help="prompt lengths N, comma-separated (default: %(default)s)")
+    d.add_argument("--tokens", type=int, default=64,
+                   help="tokens M teacher-forced after the prompt, one llama_decode each (default: %(default)s)")
+    d.add_argument("--deferred", default="off,on",
+                   help="deferred prefill: off, on or off,on (default: %(default)s)")
+    d.add_argument("--text", type=Path, help="text file (default: the evaluation slice of the default text)")
+    d.add_argument("-t", "--threads", type=int, default=2)
+    d.add_argument("-o", "--out", type=Path, help="output stem (default: docs/results/decode)")
+    d.set_defaults(fn=cmd_decode)
 
     w = sub.add_parser("weights", help="weight types: size, PPL/KLD vs F16, speed")
     w.add_argument("--model", type=Path, help="GGUF to requantise (default: the embedded SmolLM2-135M)")
@@ -202,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         ns.fn(ns)
     except (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchError, niah.NiahError, serve.ServeError,
-            RQTypeError, ValueError) as e:
+            RQTypeError, decode.DecodeError, ValueError) as e:
         print(f"rq-eval: error: {e}", file=sys.stderr)
         return 1
     return 0

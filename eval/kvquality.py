@@ -1,4 +1,9 @@
-"""KV-cache quality: perplexity and KL divergence of each cache type against F16 KV, per context size."""
+"""KV-cache quality: perplexity and KL divergence of each cache type against F16 KV, per context size.
+
+llama-perplexity scores every token as prefill. With deferred=True each non-f16 type also runs with
+deferred prefill (LLAMA_KV_DEFERRED=1, label "TYPE deferred"): the prompt then attends an exact F16
+copy of its K/V, so those rows show llama-perplexity going blind to the cache (KLD ~0), not decode
+quality; that is what `rq-eval decode` measures."""
 
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ from rotaryquant.eval import perplexity
 
 
 def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks: int, unfused: bool = False,
-        threads: int = 2, progress=print) -> dict:
+        deferred: bool = False, threads: int = 2, progress=print) -> dict:
     rows = []
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="rq-kld-") as tmp:
@@ -19,16 +24,18 @@ def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks
             progress(f"[rq-eval] ctx {ctx}: f16 KV baseline")
             base = perplexity.run(model, text, label="f16", ctx=ctx, chunks=chunks, kld_base=base_file, save_base=True,
                                   threads=threads)
-            rows.append({"ctx": ctx, "unfused": False, **base.as_dict()})
-            runs = [(t, False) for t in kv_types if t != "f16"]
+            rows.append({"ctx": ctx, "unfused": False, "deferred": False, **base.as_dict()})
+            runs = [(t, False, False) for t in kv_types if t != "f16"]
+            if deferred:  # each type's deferred run beside its plain one: the contrast is the point
+                runs = [r for t, _, _ in runs for r in ((t, False, False), (t, False, True))]
             if unfused and "isoquant3_0" in kv_types:
-                runs.append(("isoquant3_0", True))
-            for t, unf in runs:
-                label = t + ("-unfused" if unf else "")
+                runs.append(("isoquant3_0", True, False))
+            for t, unf, dfr in runs:
+                label = t + ("-unfused" if unf else "") + (" deferred" if dfr else "")
                 progress(f"[rq-eval] ctx {ctx}: {label}")
                 r = perplexity.run(model, text, label=label, ctx=ctx, chunks=chunks, cache_type=t, unfused=unf,
-                                   kld_base=base_file, threads=threads)
-                rows.append({"ctx": ctx, "unfused": unf, **r.as_dict()})
+                                   deferred=dfr, kld_base=base_file, threads=threads)
+                rows.append({"ctx": ctx, "unfused": unf, "deferred": dfr, **r.as_dict()})
             base_file.unlink()
     return {"model": model.name, "text": text.name, "chunks": chunks, "seconds": round(time.time() - t0), "rows": rows}
 
@@ -45,4 +52,15 @@ def to_markdown(res: dict) -> str:
     for r in res["rows"]:
         lines.append(f"| {r['ctx']} | {r['label']} | {r['ppl']:.3f} | {r['ppl'] - base[r['ctx']]:+.3f} | {f(r['kld_mean'])} "
                      f"| {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} | {r['seconds']:.0f} |")
+    deferred = [r for r in res["rows"] if r.get("deferred")]
+    if deferred:
+        lines += ["", "Rows marked deferred ran with deferred prefill (LLAMA_KV_DEFERRED=1): llama-perplexity "
+                  "scores every token as prefill, so they attend an exact F16 copy of their own K/V and their "
+                  "KLD says nothing about the cache; decode-time quality: `rq-eval decode`."]
+        plain = {(r["ctx"], r["label"]): r["kld_mean"] for r in res["rows"] if not r.get("deferred")}
+        same = [r["label"] for r in deferred
+                if r["kld_mean"] and plain.get((r["ctx"], r["label"].removesuffix(" deferred"))) == r["kld_mean"]]
+        if same:
+            lines += ["", f"**Deferred prefill had no effect** ({', '.join(sorted(set(same)))}: KLD identical to "
+                      "the plain run): this build ignores LLAMA_KV_DEFERRED."]
     return "\n".join(lines) + "\n"

@@ -67,14 +67,16 @@ def parse_output(label: str, text: str) -> PplResult:
     )
 
 
-def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int = 20, cache_type: str = "f16",
-        unfused: bool = False, kld_base: Path | None = None, save_base: bool = False, threads: int = 2,
-        batch: int | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None,
-        timeout: float = 7200) -> PplResult:
-    """One llama-perplexity run. save_base writes the logits to kld_base; otherwise a given kld_base
-    makes this a --kl-divergence run against it."""
-    import time
+DEFERRED_ENV = "LLAMA_KV_DEFERRED"  # deferred prefill: 1 = the prompt attends an F16 copy of its own K/V
+# settings the parent environment must not leak into a run: each run sets its own
+_CLEARED_ENV = ("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_K_CENTER", DEFERRED_ENV)
 
+
+def command(model: Path, text_file: Path, *, ctx: int = 512, chunks: int = 20, cache_type: str = "f16",
+            unfused: bool = False, deferred: bool = False, kld_base: Path | None = None, save_base: bool = False,
+            threads: int = 2, batch: int | None = None, extra: list[str] | None = None,
+            env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The llama-perplexity command line and its environment (see run)."""
     cmd = [str(tools.binary("llama-perplexity")), "-m", str(model), "-f", str(text_file), "-c", str(ctx),
            "--chunks", str(chunks), "-t", str(threads), "-fa", "on", "-ctk", kvtypes.split(cache_type)[0],
            "-ctv", kvtypes.split(cache_type)[1]]
@@ -87,10 +89,26 @@ def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int
         if not save_base:
             cmd += ["--kl-divergence"]
     cmd += extra or []
-    run_env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_K_CENTER"))}
+    run_env = {k: v for k, v in os.environ.items() if not k.startswith(_CLEARED_ENV)}
     if unfused:
         run_env["LLAMA_ISOQUANT_UNFUSED"] = "1"
+    if deferred:
+        run_env[DEFERRED_ENV] = "1"
     run_env.update(env or {})
+    return cmd, run_env
+
+
+def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int = 20, cache_type: str = "f16",
+        unfused: bool = False, deferred: bool = False, kld_base: Path | None = None, save_base: bool = False,
+        threads: int = 2, batch: int | None = None, extra: list[str] | None = None,
+        env: dict[str, str] | None = None, timeout: float = 7200) -> PplResult:
+    """One llama-perplexity run. save_base writes the logits to kld_base; otherwise a given kld_base
+    makes this a --kl-divergence run against it. deferred: deferred prefill (LLAMA_KV_DEFERRED=1)."""
+    import time
+
+    cmd, run_env = command(model, text_file, ctx=ctx, chunks=chunks, cache_type=cache_type, unfused=unfused,
+                           deferred=deferred, kld_base=kld_base, save_base=save_base, threads=threads, batch=batch,
+                           extra=extra, env=env)
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=timeout)
     out = proc.stdout + proc.stderr

@@ -116,7 +116,8 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
 
     def kld_vs_ctx(ax):
         for lab in labels:
-            pts = sorted((r["ctx"], r["kld_mean"]) for r in rows if r["label"] == lab and r["kld_mean"] is not None)
+            # log scale: deferred-prefill rows can be exactly 0
+            pts = sorted((r["ctx"], r["kld_mean"]) for r in rows if r["label"] == lab and r["kld_mean"])
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=lab)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -154,6 +155,14 @@ def build(results: Path) -> Path:
         body += _kv_quality_section(json.loads(f.read_text()), results, measured, png=f"{f.stem}-kld-vs-ctx.png")
     if not kvq_files:
         body += ["## KV-cache quality", "", "_not run: `rq-eval ppl`_", ""]
+
+    decode_files = sorted(results.glob("decode*.json"))
+    for f in decode_files:
+        from rotaryquant.eval import decode
+
+        body += [decode.to_markdown(json.loads(f.read_text())), ""]
+    if not decode_files:
+        body += ["## Decode-time KV quality", "", "_not run: `rq-eval decode`_", ""]
 
     abl = _load(results, "ablation")
     if abl:

@@ -1,0 +1,272 @@
+"""Decode-time KV quality: what a compressed cache costs while the model generates.
+
+llama-perplexity scores every token as prefill. With deferred prefill (LLAMA_KV_DEFERRED=1,
+``bindings.set_kv_deferred``) a prompt attends to an exact F16 copy of its own K/V and only the first
+single-token step switches to the quantised cache, so perplexity runs never see the compression. Here
+each run prefills N tokens of text (batched, as a prompt), then feeds the next M tokens of the same
+text one ``llama_decode`` call each (teacher forced: the true token, not a sampled one) and keeps the
+logits of every step. Step 0 is the prefill's own logits (they predict token N); steps 1..M come from
+decode calls. Each (N, cache type, deferred) run is scored against the F16-KV run of the same model
+and tokens: KLD per step, same top-1, and the perplexity of those M+1 tokens under the run's own logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rotaryquant.eval import kvtypes, logits
+
+BASELINE = "f16"
+N_BATCH = 512  # prompt tokens per llama_decode call (and per ubatch)
+
+
+class DecodeError(RuntimeError):
+    """Bad arguments (text too short, context too large, unknown cache type, ...) or a run that failed."""
+
+
+# --- scoring (pure) ---------------------------------------------------------------------------
+
+def score(base_logits: np.ndarray, run_logits: np.ndarray, targets: np.ndarray, rows: int = 8) -> dict:
+    """Scores of one run against the baseline: rows are steps (step 0 = after the prefill).
+
+    targets[i] is the token that step i predicts. rows: steps per float64 block (bounded memory).
+    """
+    base_logits, run_logits, targets = np.asarray(base_logits), np.asarray(run_logits), np.asarray(targets)
+    if base_logits.shape != run_logits.shape or base_logits.ndim != 2 or targets.shape != base_logits.shape[:1]:
+        raise ValueError(f"shapes do not match: baseline {base_logits.shape}, run {run_logits.shape}, "
+                         f"targets {targets.shape}")
+    klds, nll = [], []
+    for a in range(0, len(targets), rows):
+        b, r = base_logits[a:a + rows], run_logits[a:a + rows]
+        klds.append(logits.kld_rows(b, r))
+        lp = logits.log_softmax(np.asarray(r, np.float64))
+        nll.append(-lp[np.arange(len(lp)), targets[a:a + rows]])
+    k, nll = np.concatenate(klds), np.concatenate(nll)
+    same = base_logits.argmax(axis=-1) == run_logits.argmax(axis=-1)
+    return {
+        "kld_mean": float(k.mean()),
+        "kld_p99": float(np.percentile(k, 99)),
+        "kld_max": float(k.max()),
+        "kld_step0": float(k[0]),
+        "same_top1_pct": float(100.0 * same.mean()),
+        "ppl": perplexity(-nll),
+        "kld_steps": [float(f"{x:.6g}") for x in k],
+    }
+
+
+def perplexity(token_logprobs: np.ndarray) -> float:
+    """exp of the mean negative log-probability of the true tokens."""
+    return float(np.exp(-np.mean(np.asarray(token_logprobs, np.float64))))
+
+
+def prefill_chunks(n: int, n_batch: int = N_BATCH) -> list[int]:
+    """Prompt chunk sizes, each one llama_decode call: none is a single token, because the first
+    single-token call is what ends a deferred prefill."""
+    if n < 2:
+        raise DecodeError(f"prefill of {n} tokens: give at least 2 (one token is a decode step)")
+    sizes = [n_batch] * (n // n_batch) + ([n % n_batch] if n % n_batch else [])
+    if sizes[-1] == 1:
+        sizes[-2] -= 1
+        sizes[-1] = 2
+    return sizes
+
+
+# --- switches -----------------------------------------------------------------------------------
+
+def deferred_supported() -> bool:
+    """Whether the loaded ggml has the deferred-prefill switch (GGML_RQ_VERSION >= 3)."""
+    from rotaryquant.bindings import ggml
+
+    try:
+        ggml.kv_deferred()
+    except AttributeError:
+        return False
+    return True
+
+
+def _set_deferred(on: bool, budget: int | None = None) -> None:
+    from rotaryquant.bindings import ggml
+
+    if deferred_supported():
+        ggml.set_kv_deferred(on, budget)
+    elif on:
+        raise DecodeError("deferred prefill is not in this build (libggml-base has no ggml_rq_set_kv_deferred); "
+                          "use --deferred off")
+
+
+@contextlib.contextmanager
+def _switches(*, deferred: bool, k_center: bool):
+    """The process-wide switches a new context reads (deferred prefill, K centring), restored after."""
+    from rotaryquant import bindings
+
+    prior_center = bindings.k_center()
+    prior_deferred = bindings.ggml.kv_deferred() if deferred_supported() else None
+    _set_deferred(deferred)
+    bindings.set_k_center("auto" if k_center else "off")
+    try:
+        yield
+    finally:
+        bindings.set_k_center(prior_center)
+        if prior_deferred is not None:  # 0: off, -1: the whole context, N: N cells
+            _set_deferred(prior_deferred != 0, prior_deferred if prior_deferred > 1 else None)
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+def text_tokens(model: Path, text: Path, n_tokens: int) -> list[int]:
+    """The first n_tokens tokens of the text (BOS first); DecodeError when the text is shorter."""
+    import llama_cpp
+
+    raw = text.read_text(errors="replace")
+    if len(raw.encode()) < n_tokens - 1:  # a token is at least one byte
+        raise DecodeError(f"text {text} ({len(raw.encode())} bytes) is too short for {n_tokens} tokens "
+                          "(prefill + decoded tokens + 1); use a longer text or a shorter prefill")
+    voc = llama_cpp.Llama(model_path=str(model), vocab_only=True, n_ctx=16, verbose=False)
+    try:
+        # ~4 characters per token: tokenise a generous prefix first, the whole text only if needed
+        toks = voc.tokenize(raw[: 8 * n_tokens].encode(), add_bos=True)
+        if len(toks) < n_tokens and 8 * n_tokens < len(raw):
+            toks = voc.tokenize(raw.encode(), add_bos=True)
+        arch = voc.metadata.get("general.architecture", "")
+        ctx_train = int(voc.metadata.get(f"{arch}.context_length", 0))
+    finally:
+        voc.close()
+    if len(toks) < n_tokens:
+        raise DecodeError(f"text {text} has {len(toks)} tokens for {model.name}; the longest run needs "
+                          f"{n_tokens} (prefill + decoded tokens + 1): use a longer text or a shorter prefill")
+    if ctx_train and n_tokens - 1 > ctx_train:
+        raise DecodeError(f"prefill + decoded tokens ({n_tokens - 1}) is more than {model.name}'s training "
+                          f"context {ctx_train}")
+    return toks[:n_tokens]
+
+
+def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, deferred: bool = False,
+             threads: int = 2) -> dict:
+    """Prefill tokens[:n], then decode tokens[n:n+m] one call each. Returns the M+1 rows of logits
+    (float32, steps x vocab), wall-clock seconds of prefill and decode, and the RQ counters' change."""
+    import llama_cpp
+
+    from rotaryquant import bindings
+
+    if len(tokens) < n + m:
+        raise DecodeError(f"{len(tokens)} tokens given for a prefill of {n} and {m} decoded tokens")
+    tk, tv = (bindings.type_from_name(t) for t in kvtypes.split(cache))
+    n_ctx = -(-(n + m) // 256) * 256
+    try:
+        with _switches(deferred=deferred, k_center=kvtypes.k_center(cache)):
+            llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                                  n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
+                                  type_v=tv, logits_all=False, verbose=False)
+    except (ValueError, RuntimeError) as e:
+        hint = " (IsoQuant types need a head size that is a multiple of 128)" if kvtypes.uses_iso(cache) else ""
+        raise DecodeError(f"cannot create a {n_ctx}-token context with cache {cache} for {model.name}: "
+                          f"{e}{hint}") from e
+    try:
+        n_vocab = llm.n_vocab()
+        out = np.empty((m + 1, n_vocab), dtype=np.float32)
+
+        def last_logits(i: int) -> None:
+            out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+        has_counters = deferred_supported()
+        if has_counters:
+            bindings.reset_counters()
+        t0 = time.perf_counter()
+        done = 0
+        for size in prefill_chunks(n):
+            llm.eval(tokens[done:done + size])  # one llama_decode: size <= n_batch
+            done += size
+        prefill_s = time.perf_counter() - t0
+        last_logits(0)
+        decode_s = 0.0
+        for i, tok in enumerate(tokens[n:n + m], start=1):
+            t0 = time.perf_counter()
+            llm.eval([tok])
+            decode_s += time.perf_counter() - t0
+            last_logits(i)
+        counters = None
+        if has_counters:
+            counters = {k: v for k, v in bindings.counters().items() if k.startswith("kv_deferred")}
+    finally:
+        llm.close()
+    return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters}
+
+
+def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], tokens: int = 64,
+        deferred: Sequence[bool] = (False, True), threads: int = 2, progress=print) -> dict:
+    """Every (prefill, cache type, deferred) against the F16-KV baseline of the same prefill."""
+    if tokens < 1:
+        raise DecodeError(f"decoded tokens must be at least 1, got {tokens}")
+    if not prefill or min(prefill) < 2:
+        raise DecodeError(f"prefill lengths must be at least 2 tokens, got {prefill}")
+    if not deferred:
+        raise DecodeError("no deferred setting given (off, on or both)")
+    for spec in cache_types:
+        kvtypes.validate(spec)
+    if any(deferred) and any(c != BASELINE for c in cache_types) and not deferred_supported():
+        _set_deferred(True)  # raises, naming the fix
+    toks = text_tokens(model, text, max(prefill) + tokens + 1)
+    rows = []
+    t_start = time.time()
+    for n in prefill:
+        targets = np.asarray(toks[n:n + tokens + 1])
+        progress(f"[rq-eval decode] prefill {n}: {BASELINE} baseline")
+        base = run_once(model, toks, n=n, m=tokens, cache=BASELINE, threads=threads)
+        rows.append(_row(n, BASELINE, False, base, score(base["logits"], base["logits"], targets), tokens))
+        for spec in cache_types:
+            if spec == BASELINE:
+                continue
+            for d in deferred:
+                progress(f"[rq-eval decode] prefill {n}: {spec}{' deferred' if d else ''}")
+                r = run_once(model, toks, n=n, m=tokens, cache=spec, deferred=d, threads=threads)
+                row = _row(n, spec, d, r, score(base["logits"], r["logits"], targets), tokens)
+                rows.append(row)
+                progress(f"[rq-eval decode]   mean KLD {row['kld_mean']:.5f}, step-0 KLD {row['kld_step0']:.5f}, "
+                         f"same top-1 {row['same_top1_pct']:.1f}%, prefill {row['prefill_tps'] or 0:.1f} t/s, "
+                         f"decode {row['decode_tps'] or 0:.1f} t/s")
+                del r
+        del base
+    return {"model": model.name, "text": text.name, "tokens": tokens, "prefill": list(prefill), "threads": threads,
+            "n_batch": N_BATCH, "seconds": round(time.time() - t_start), "rows": rows}
+
+
+def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int) -> dict:
+    return {"prefill": n, "cache": cache, "deferred": deferred, **s,
+            "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
+            "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
+            "counters": r["counters"]}
+
+
+def to_markdown(res: dict) -> str:
+    m = res["tokens"]
+    lines = [f"## Decode-time KV quality: {res['model']}", "",
+             f"Text {res['text']}: prefill N tokens, then {m} tokens teacher-forced one `llama_decode` each. "
+             f"KLD per step against the F16-KV run of the same tokens, over {m + 1} steps; step 0 is the "
+             "prefill's own logits (predicting token N), steps 1.."
+             f"{m} are decode steps. PPL: those {m + 1} tokens under the run's own logits. Deferred: the "
+             "prompt attends an exact F16 copy of its K/V until the first decode step.", "",
+             "| prefill N | cache | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL | step-0 KLD "
+             "| prefill t/s | decode t/s |",
+             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    notes = set()
+    for r in res["rows"]:
+        if r["cache"] == BASELINE:
+            d = "(baseline)"
+        elif r["deferred"]:
+            c = r.get("counters") or {}
+            d = "on" if c.get("kv_deferred_conversions") else "on (no effect¹)"
+            if not c.get("kv_deferred_conversions"):
+                notes.add("¹ deferred prefill was switched on, but no sequence converted from its transient "
+                          "(kv_deferred_conversions = 0): the build ignores the switch for this cache.")
+        else:
+            d = "off"
+        tps = [("–" if x is None else f"{x:.1f}") for x in (r["prefill_tps"], r["decode_tps"])]
+        lines.append(f"| {r['prefill']} | {r['cache']} | {d} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} "
+                     f"| {r['kld_max']:.5f} | {r['same_top1_pct']:.1f} | {r['ppl']:.3f} | {r['kld_step0']:.5f} "
+                     f"| {tps[0]} | {tps[1]} |")
+    return "\n".join(lines + ([""] + sorted(notes) if notes else [])) + "\n"
