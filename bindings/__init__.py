@@ -14,6 +14,7 @@ from rotaryquant.bindings.ggml import (
     iso_unfused,
     iso_variant,
     k_center,
+    kv_deferred,
     lib_dir,
     quantize,
     reset_counters,
@@ -23,6 +24,7 @@ from rotaryquant.bindings.ggml import (
     set_iso_unfused,
     set_iso_variant,
     set_k_center,
+    set_kv_deferred,
     type_from_name,
     type_name,
     type_names,
@@ -31,6 +33,6 @@ from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
-    "iso_variant", "k_center", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
-    "set_iso_unfused", "set_iso_variant", "set_k_center", "type_from_name", "type_name", "type_names",
+    "iso_variant", "k_center", "kv_deferred", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
+    "set_iso_unfused", "set_iso_variant", "set_k_center", "set_kv_deferred", "type_from_name", "type_name", "type_names",
 ]

@@ -42,7 +42,8 @@ class GGMLType(IntEnum):
     ISOQUANT4_0 = 244
 
 
-COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")  # both IsoQuant types
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows",  # both IsoQuant types
+            "kv_deferred_cells", "kv_deferred_conversions", "kv_deferred_bytes", "kv_deferred_peak_bytes")
 ISO_TYPES = ("isoquant3_0", "isoquant4_0")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
@@ -74,6 +75,9 @@ def _ggml() -> ctypes.CDLL:
     base.ggml_rq_iso_set_variant.argtypes = [ctypes.c_int]
     base.ggml_rq_iso_get_variant.restype = ctypes.c_int
     base.ggml_rq_iso_set_skip_inverse.argtypes = [ctypes.c_bool]
+    if hasattr(base, "ggml_rq_get_kv_deferred"):  # GGML_RQ_VERSION >= 3
+        base.ggml_rq_set_kv_deferred.argtypes = [ctypes.c_int64]
+        base.ggml_rq_get_kv_deferred.restype = ctypes.c_int64
     base.ggml_type_name.restype = ctypes.c_char_p
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_blck_size.restype = ctypes.c_int64
@@ -222,6 +226,19 @@ def set_k_center(mode: str) -> None:
 
 def k_center() -> str:
     return K_CENTER_MODES[int(_ggml().ggml_rq_get_k_center())]
+
+
+def set_kv_deferred(on: bool, budget: int | None = None) -> None:
+    """Deferred prefill for KV caches created from now on: prompts attend to an exact F16 transient
+    until their sequence decodes. budget: transient cells (None: the whole context)."""
+    if budget is not None and budget < 2:
+        raise ValueError(f"deferred-prefill budget {budget} is too small: give at least 2 cells, or None")
+    _ggml().ggml_rq_set_kv_deferred(ctypes.c_int64(0 if not on else -1 if budget is None else int(budget)))
+
+
+def kv_deferred() -> int:
+    """0: off; -1: on with the whole context as budget; N: on with N cells."""
+    return int(_ggml().ggml_rq_get_kv_deferred())
 
 
 def set_iso_variant(variant: str) -> None:

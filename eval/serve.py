@@ -184,6 +184,17 @@ def _parse(req: Request, raw: str, stream: bool) -> tuple[str, int]:
     return "".join(text), n
 
 
+def proc_status_mib(pid: int) -> dict[str, float]:
+    """VmRSS/VmHWM (and the other Vm* lines) of a process, in MiB."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Vm") and line.rstrip().endswith("kB"):
+                name, _, value = line.partition(":")
+                out[name] = round(int(value.split()[0]) / 1024, 1)
+    return out
+
+
 def metrics(base: str) -> dict[str, float]:
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         out = {}
@@ -216,6 +227,7 @@ class LoadResult:
     examples: list = field(default_factory=list)
     server_args: list = field(default_factory=list)
     deterministic: bool = False
+    rss_mib: dict = field(default_factory=dict)  # the server's VmRSS before and after the load, VmHWM
 
 
 def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_client: int = 4, n_predict: int = 32,
@@ -229,6 +241,7 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
     with server(model, cache=cache, parallel=clients, threads=threads, extra=args,
                 env=DETERMINISTIC_ENV if deterministic else None) as srv:
         base = srv.url
+        rss_before = proc_status_mib(srv.pid)["VmRSS"]
         progress(f"[rq-eval serve] {cache} ({mode}): {len(distinct)} distinct requests alone")
         t0 = time.time()
         solo = {r.key: send(base, r) for r in distinct}
@@ -255,6 +268,8 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
             t.join()
         conc_s = time.time() - t0
         m = metrics(base)
+        st = proc_status_mib(srv.pid)
+        rss = {"before": rss_before, "after": st["VmRSS"], "peak": st["VmHWM"]}
     if len(results) != len(reqs):
         raise ServeError(f"only {len(results)} of {len(reqs)} requests finished within {deadline_s:.0f} s")
     failures = sum(1 for r in results if r.status != 200 or r.error)
@@ -265,9 +280,9 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
     conc_tps = conc_tokens / conc_s if conc_s else 0.0
     return LoadResult(cache, clients, len(results), failures, empty, len(mism), round(solo_tps, 2), round(conc_tps, 2),
                       round(conc_tps / (clients * solo_tps), 3) if solo_tps else 0.0, round(solo_s, 1), round(conc_s, 1),
-                      {k: v for k, v in m.items() if k.startswith("isoquant")},
+                      {k: v for k, v in m.items() if k.startswith(("isoquant", "kv_deferred"))},
                       [{"kind": r.request.kind, "prompt": r.request.prompt, "alone": solo[r.request.key].text,
-                        "concurrent": r.text} for r in mism[:3]], list(server_args or []), deterministic)
+                        "concurrent": r.text} for r in mism[:3]], list(server_args or []), deterministic, rss)
 
 
 def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
@@ -324,10 +339,7 @@ def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, client
 
 
 def _rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    return round(proc_status_mib(pid).get("VmRSS", 0) * 1024)
 
 
 def to_markdown(results: list[dict]) -> str:

@@ -14,7 +14,7 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 2   // 2: GGML_TYPE_ISOQUANT4_0
+#define GGML_RQ_VERSION 3   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters
 
 GGML_API int ggml_rq_version(void);
 
@@ -34,11 +34,17 @@ enum ggml_rq_counter {
     GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read IsoQuant K/V in the rotated domain
     GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
     GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
+    GGML_RQ_KV_DEFERRED_CELLS,    // deferred prefill: prompt cells whose F16 transient copy was released
+    GGML_RQ_KV_DEFERRED_CONVERSIONS, // deferred prefill: sequences switched from the transient to the cache
+    GGML_RQ_KV_DEFERRED_BYTES,    // deferred prefill: transient bytes in use now (a gauge)
+    GGML_RQ_KV_DEFERRED_PEAK,     // deferred prefill: the most transient bytes in use at once
     GGML_RQ_COUNTER_COUNT,
 };
 
 GGML_API uint64_t     ggml_rq_counter_get (enum ggml_rq_counter c);
 GGML_API void         ggml_rq_counter_add (enum ggml_rq_counter c, uint64_t n);
+GGML_API void         ggml_rq_counter_set (enum ggml_rq_counter c, uint64_t v); // gauges
+GGML_API void         ggml_rq_counter_max (enum ggml_rq_counter c, uint64_t v); // peaks
 GGML_API void         ggml_rq_counters_reset(void);
 GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
 
@@ -59,6 +65,13 @@ enum ggml_rq_k_center {
 };
 GGML_API void                  ggml_rq_set_k_center(enum ggml_rq_k_center mode);
 GGML_API enum ggml_rq_k_center ggml_rq_get_k_center(void);
+
+// deferred prefill: while a sequence processes its prompt, its K/V rows are also kept in an F16
+// transient and its prompt attends to those exact rows; its first single-token step (decode) releases
+// them, and from then on it reads the quantised cache alone. Budget in cells (0: off, -1: the whole
+// context). Read by llama when a KV cache is created. Env: LLAMA_KV_DEFERRED=0|1|<cells>.
+GGML_API void    ggml_rq_set_kv_deferred(int64_t budget);
+GGML_API int64_t ggml_rq_get_kv_deferred(void);
 
 // research switches (ablations of the paper's Table 8; not user options). The variant changes the
 // packed format: quantise and attend with the same setting. Env: GGML_ISOQUANT_VARIANT=v3|v2|v1|none,

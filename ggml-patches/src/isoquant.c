@@ -36,6 +36,10 @@ static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
     [GGML_RQ_ISO_FUSED_CALLS]    = "iso_fused_calls",
     [GGML_RQ_ISO_FALLBACK_CALLS] = "iso_fallback_calls",
     [GGML_RQ_ISO_QUANT_ROWS]     = "iso_quant_rows",
+    [GGML_RQ_KV_DEFERRED_CELLS]  = "kv_deferred_cells",
+    [GGML_RQ_KV_DEFERRED_CONVERSIONS] = "kv_deferred_conversions",
+    [GGML_RQ_KV_DEFERRED_BYTES]  = "kv_deferred_bytes",
+    [GGML_RQ_KV_DEFERRED_PEAK]   = "kv_deferred_peak_bytes",
 };
 
 uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
@@ -45,6 +49,21 @@ uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
 void ggml_rq_counter_add(enum ggml_rq_counter c, uint64_t n) {
     if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
         atomic_fetch_add_explicit(&rq_counters[c], n, memory_order_relaxed);
+    }
+}
+
+void ggml_rq_counter_set(enum ggml_rq_counter c, uint64_t v) {
+    if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
+        atomic_store_explicit(&rq_counters[c], v, memory_order_relaxed);
+    }
+}
+
+void ggml_rq_counter_max(enum ggml_rq_counter c, uint64_t v) {
+    if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
+        uint64_t cur = atomic_load_explicit(&rq_counters[c], memory_order_relaxed);
+        while (cur < v && !atomic_compare_exchange_weak_explicit(&rq_counters[c], &cur, v,
+                    memory_order_relaxed, memory_order_relaxed)) {
+        }
     }
 }
 
@@ -103,6 +122,38 @@ enum ggml_rq_k_center ggml_rq_get_k_center(void) {
         atomic_store(&rq_k_center, v);
     }
     return (enum ggml_rq_k_center) v;
+}
+
+// INT64_MIN: not yet read from the environment
+static _Atomic int64_t rq_kv_deferred = INT64_MIN;
+
+void ggml_rq_set_kv_deferred(int64_t budget) {
+    GGML_ASSERT(budget >= -1);
+    atomic_store(&rq_kv_deferred, budget);
+}
+
+int64_t ggml_rq_get_kv_deferred(void) {
+    int64_t v = atomic_load(&rq_kv_deferred);
+    if (v == INT64_MIN) {
+        const char * e = getenv("LLAMA_KV_DEFERRED");
+        v = 0;
+        if (e && *e) {
+            char * end = NULL;
+            const long long n = strtoll(e, &end, 10);
+            if (strcmp(e, "on") == 0 || n == 1) {
+                v = -1;
+            } else if (strcmp(e, "off") == 0 || (*end == '\0' && n == 0)) {
+                v = 0;
+            } else if (*end == '\0' && n > 1) {
+                v = n;
+            } else {
+                GGML_LOG_ERROR("%s: LLAMA_KV_DEFERRED=%s is not 0, 1 or a budget in cells (> 1)\n", __func__, e);
+                GGML_ABORT("invalid LLAMA_KV_DEFERRED");
+            }
+        }
+        atomic_store(&rq_kv_deferred, v);
+    }
+    return v;
 }
 
 void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
