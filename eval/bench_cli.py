@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--depths", default="0,2048,8192", help="prefilled KV depths, comma-separated (default: %(default)s)")
     ap.add_argument("--types", default=",".join(c[0] for c in kvbench.DEFAULT_CONFIGS),
                     help="configurations, each a cache spec (q8_0, q8_0/isoquant3_0, isoquant3_0+calib: with the "
-                         "model's K calibration) with an optional -unfused suffix (default: %(default)s)")
+                         "model's K calibration) with optional -unfused and -deferred (deferred prefill) suffixes "
+                         "(default: %(default)s)")
     ap.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed (default: %(default)s)")
     ap.add_argument("-n", "--n-gen", type=int, default=32, help="generated tokens timed (default: %(default)s)")
     ap.add_argument("-r", "--reps", type=int, default=2, help="repetitions (default: %(default)s)")

@@ -6,6 +6,7 @@
   rq-eval niah      multi-key needle in a haystack per KV type and context
   rq-eval gate      the 12-prompt quality gate per KV type
   rq-eval weights   size, PPL/KLD and speed of weight types vs the F16 requantisation
+  rq-eval memory    deferred prefill: the F16 transient's resident memory against the paper's eq. 12
   rq-eval serve     llama-server under concurrent load: failures, empty bodies, identical to alone, t/s
   rq-eval soak      llama-server for N minutes: RSS stays flat, every response well-formed
   rq-eval report    docs/results/*.json -> docs/results/REPORT.md with plots and the claims ledger
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from rotaryquant import assets, paths
 from rotaryquant.bindings import RQTypeError
-from rotaryquant.eval import (ablation, data, decode, gate, kvquality, kvtypes, niah, perplexity, report, serve,
+from rotaryquant.eval import (ablation, data, decode, gate, kvmemory, kvquality, kvtypes, niah, perplexity, report, serve,
                               weights)
 
 RESULTS = paths.REPO / "docs" / "results"
@@ -60,6 +61,15 @@ def cmd_decode(ns: argparse.Namespace) -> None:
     res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=prefill, tokens=ns.tokens,
                      deferred=list(dict.fromkeys(deferred)), threads=ns.threads)
     _write(ns.out or RESULTS / "decode", res, decode.to_markdown(res))
+
+
+def cmd_memory(ns: argparse.Namespace) -> None:
+    model = _model(ns, assets.ISO_MODEL)
+    prompts = _ints(ns.prompt, "--prompt")
+    if not prompts or min(prompts) < 2:
+        raise ValueError("--prompt takes prompt lengths of at least 2 tokens")
+    res = kvmemory.run(model, caches=_types(ns.kv), prompts=prompts, threads=ns.threads)
+    _write(ns.out or RESULTS / "kv-memory", res, kvmemory.to_markdown(res))
 
 
 def _ints(spec: str, what: str) -> list[int]:
@@ -238,6 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     so.add_argument("-t", "--threads", type=int, default=2)
     so.add_argument("-o", "--out", type=Path)
     so.set_defaults(fn=cmd_soak)
+
+    mm = sub.add_parser("memory", help="deferred prefill: the F16 transient's resident memory vs eq. 12")
+    mm.add_argument("--model", type=Path, help="GGUF (default: the embedded Gemma3-270M)")
+    mm.add_argument("--kv", default="isoquant3_0", help="cache types (default: %(default)s)")
+    mm.add_argument("--prompt", default="512,2048,8192", help="prompt lengths, comma-separated (default: %(default)s)")
+    mm.add_argument("-t", "--threads", type=int, default=2)
+    mm.add_argument("-o", "--out", type=Path, help="output stem (default: docs/results/kv-memory)")
+    mm.set_defaults(fn=cmd_memory)
 
     r = sub.add_parser("report", help="collect results into REPORT.md with plots")
     r.add_argument("--results", type=Path, default=RESULTS, help="results folder (default: docs/results)")

@@ -36,10 +36,16 @@ BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 
                    "f32": 4.0}
 
 
+UNFUSED, DEFERRED = "-unfused", "-deferred"
+
+
 def config(spec: str) -> tuple[str, str, bool]:
-    """(label, cache type, unfused) for a --types entry: a cache spec, optionally with -unfused."""
-    base = spec[: -len("-unfused")] if spec.endswith("-unfused") else spec
-    return spec, kvtypes.validate(base), base != spec
+    """(label, cache type, unfused) for a --types entry: a cache spec, optionally with -unfused and/or
+    -deferred (deferred prefill: prompts attend to an F16 transient until the sequence decodes)."""
+    base = spec
+    for suffix in (DEFERRED, UNFUSED, DEFERRED):
+        base = base[: -len(suffix)] if base.endswith(suffix) else base
+    return spec, kvtypes.validate(base), UNFUSED in spec
 
 
 class BenchError(RuntimeError):
@@ -106,7 +112,7 @@ class BenchRow:
 
 
 def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list[int], n_prompt: int,
-                    n_gen: int, reps: int, threads: int, timeout: float) -> list[dict]:
+                    n_gen: int, reps: int, threads: int, timeout: float, deferred: bool = False) -> list[dict]:
     k, v = kvtypes.split(cache_type)
     cmd = [str(tools.binary("llama-bench")), "-m", str(model), "-fa", "1", "-ctk", k, "-ctv", v,
            "-p", str(n_prompt), "-n", str(n_gen), "-d", ",".join(str(d) for d in depths), "-r", str(reps),
@@ -114,6 +120,7 @@ def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list
     env = dict(os.environ)
     env.pop("LLAMA_ISOQUANT_UNFUSED", None)
     env.pop("LLAMA_K_CENTER", None)
+    env["LLAMA_KV_DEFERRED"] = "1" if deferred else "0"  # llama-bench has no flag for it
     if not kvtypes.k_center(cache_type):
         env["LLAMA_K_CENTER"] = "0"  # "+calib" runs use the model's calibration (when it has one)
     if unfused:
@@ -135,7 +142,8 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
         for label, ctype, unfused in configs:
             progress(f"[rq-bench] round {rnd + 1}/{reps}: {label}, depths {list(depths)}")
             for rec in run_llama_bench(model, ctype, unfused=unfused, depths=list(depths), n_prompt=n_prompt,
-                                       n_gen=n_gen, reps=1, threads=threads, timeout=timeout):
+                                       n_gen=n_gen, reps=1, threads=threads, timeout=timeout,
+                                       deferred=DEFERRED in label):
                 s = samples.setdefault((label, int(rec.get("n_depth", 0))), {"pp": [], "tg": []})
                 s["pp" if int(rec["n_gen"]) == 0 else "tg"].append(float(rec["avg_ts"]))
     rows: list[BenchRow] = []
@@ -164,6 +172,12 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
             q4 = next((b for b in rows if b.label == "q4_0" and b.depth == r.depth), None)
             if q4 and q4.tg_tps and r.tg_tps:
                 r.extra["tg_vs_q4_0"] = r.tg_tps / q4.tg_tps
+        if r.label.endswith(DEFERRED):
+            plain = next((b for b in rows if b.label == r.label[: -len(DEFERRED)] and b.depth == r.depth), None)
+            if plain and plain.tg_tps and r.tg_tps:
+                r.extra["tg_deferred_over_plain"] = r.tg_tps / plain.tg_tps
+            if plain and plain.pp_tps and r.pp_tps:
+                r.extra["pp_deferred_over_plain"] = r.pp_tps / plain.pp_tps
         if r.label.endswith(kvtypes.CALIB):
             plain = next((b for b in rows if b.label == r.label[: -len(kvtypes.CALIB)] and b.depth == r.depth), None)
             if plain and plain.tg_tps and r.tg_tps:
@@ -207,4 +221,12 @@ def to_markdown(res: dict) -> str:
             e = r["extra"]
             lines.append(f"| {r['label']} | {r['depth']} | {f(e.get('tg_calib_over_plain'), 3)} "
                          f"| {f(e.get('pp_calib_over_plain'), 3)} |")
+    dfr = [r for r in res["rows"] if "tg_deferred_over_plain" in r["extra"]]
+    if dfr:
+        lines += ["", "Deferred prefill (a \"-deferred\" row over the same cache without it, and over f16, same run):", "",
+                  "| cache | depth | pp deferred/plain | pp deferred/f16 | tg deferred/plain |", "|---|---:|---:|---:|---:|"]
+        for r in sorted(dfr, key=lambda r: (r["depth"], r["label"])):
+            e = r["extra"]
+            lines.append(f"| {r['label']} | {r['depth']} | {f(e.get('pp_deferred_over_plain'), 3)} "
+                         f"| {f(e.get('pp_vs_f16'), 3)} | {f(e.get('tg_deferred_over_plain'), 3)} |")
     return "\n".join(lines) + "\n"

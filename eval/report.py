@@ -19,6 +19,14 @@ CLAIMS = [
     ("RotaryQuant Tab. 3, K calibrated", "the same claim with our exact K centring / Q-K rebalancing "
      "(rq-calibrate; not in the paper: its fork keeps K in F16 during the prompt)",
      "ΔPPL/KLD of isoquant3_0 K+V with the model's K calibration vs f16 KV, largest measured context", "iso_calib_dppl"),
+    ("RotaryQuant Tab. 3, both ways", "the same claim, measured as the paper did (deferred prefill: the prompt "
+     "is kept in F16, so llama-perplexity never reads the compressed cache) and as users meet the cache (decode "
+     "steps after a compressed prompt)",
+     "KLD vs f16 KV: llama-perplexity with deferred prefill; rq-eval decode (M single-token steps after N)",
+     "iso_both_ways"),
+    ("RotaryQuant eq. 12", "deferred prefill holds a transient of 2·L·H_kv·d·T·2 bytes (F16 K/V of the prompt)",
+     "transient rows in use (counter) and resident memory given back at the first decode step, vs eq. 12",
+     "eq12"),
     ("RotaryQuant §3.2", "KV compressed 5.3× vs FP16 (48 bytes per 128 values)",
      "KV bytes per token, f16 / isoquant3_0 (our block also stores the fp16 norm: 50 bytes)", "kv_ratio"),
     ("RotaryQuant Tab. 9", "llama.cpp: fused −3.2% decode vs baseline; unfused −18% decode, −44% prompt",
@@ -163,6 +171,31 @@ def build(results: Path) -> Path:
         body += [decode.to_markdown(json.loads(f.read_text())), ""]
     if not decode_files:
         body += ["## Decode-time KV quality", "", "_not run: `rq-eval decode`_", ""]
+
+    for f in sorted(results.glob("kv-memory*.json")):
+        from rotaryquant.eval import kvmemory
+
+        mem = json.loads(f.read_text())
+        body += [kvmemory.to_markdown(mem), ""]
+        prev = measured.get("eq12", "")
+        measured["eq12"] = (prev + "; " if prev else "") + f"{mem['model']}: " + ", ".join(
+            f"T={r['prompt']} counter {r['counter_peak_mib']:.1f} = eq. 12 {r['eq12_mib']:.1f} MiB, released "
+            f"{r['released_over_eq12']:.2f}×" for r in mem["rows"])
+
+    both = []
+    for f in kvq_files:
+        kvq = json.loads(f.read_text())
+        for r in kvq["rows"]:
+            if r["label"].endswith(" deferred") and "isoquant3_0" in r["label"]:
+                both.append(f"{kvq['model']} llama-perplexity ctx {r['ctx']} {r['label']}: KLD {r['kld_mean']:.4f}")
+    for f in decode_files:
+        dec = json.loads(f.read_text())
+        for r in dec["rows"]:
+            if r["cache"].startswith("isoquant3_0") and "/" not in r["cache"]:
+                both.append(f"{dec['model']} decode N={r['prefill']} {r['cache']}{' deferred' if r['deferred'] else ''}: "
+                            f"KLD {r['kld_mean']:.4f} (step 0 {r['kld_step0']:.4f})")
+    if both:
+        measured["iso_both_ways"] = "; ".join(both)
 
     abl = _load(results, "ablation")
     if abl:

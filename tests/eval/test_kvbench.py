@@ -28,3 +28,21 @@ def test_bench_runs_and_computes_ratios(gemma3):
     assert rows["f16"]["extra"]["tg_vs_f16"] == pytest.approx(1.0)
     assert "tg_fused_over_unfused" in rows["isoquant3_0"]["extra"]
     assert "| isoquant3_0 | 0 |" in kvbench.to_markdown(res)
+
+
+def test_config_suffixes():
+    assert kvbench.config("q4_0") == ("q4_0", "q4_0", False)
+    assert kvbench.config("isoquant3_0-unfused") == ("isoquant3_0-unfused", "isoquant3_0", True)
+    assert kvbench.config("isoquant3_0+calib-deferred") == ("isoquant3_0+calib-deferred", "isoquant3_0+calib", False)
+    assert kvbench.config("isoquant3_0-unfused-deferred")[1:] == ("isoquant3_0", True)
+    with pytest.raises(Exception):
+        kvbench.config("q5_9-deferred")
+
+
+@pytest.mark.slow
+def test_deferred_rows_get_ratios_over_their_plain_twin(gemma3):
+    res = kvbench.bench(gemma3, configs=[kvbench.config(c) for c in ("f16", "q8_0", "q8_0-deferred")],
+                        depths=[0], n_prompt=16, n_gen=4, reps=1, progress=lambda *_: None)
+    rows = {r["label"]: r for r in res["rows"]}
+    assert {"pp_deferred_over_plain", "tg_deferred_over_plain"} <= set(rows["q8_0-deferred"]["extra"])
+    assert "Deferred prefill" in kvbench.to_markdown(res)
