@@ -241,6 +241,10 @@ def build(results: Path) -> Path:
                                       f"from alone, efficiency {r['parallel_efficiency']:.2f}" for r in sv)
     else:
         body += ["## llama-server under load", "", "_not run: `rq-eval serve`_", ""]
+    for f in sorted(results.glob("serve-*.json")):  # further server runs (e.g. with deferred prefill)
+        from rotaryquant.eval import serve
+
+        body += [serve.to_markdown(json.loads(f.read_text())), ""]
 
     for mode in ("tensor", "ftype"):
         w = _load(results, f"weights-{mode}")

@@ -354,6 +354,17 @@ def to_markdown(results: list[dict]) -> str:
         lines.append(f"| {r['cache']} | {mode} | {' '.join(r.get('server_args', [])) or '-'} | {r['clients']} | {r['requests']} | {r['failures']} | {r['empty']} | {r['mismatches']} "
                      f"| {r['solo_tps']:.1f} | {r['concurrent_tps']:.1f} | {r['parallel_efficiency']:.2f} "
                      f"| {m.get('isoquant_fused_calls_total', 0):.0f} | {m.get('isoquant_dequant_rows_total', 0):.0f} |")
+    mem = [r for r in results if r.get("rss_mib")]
+    if mem:
+        lines += ["", "Server memory (VmRSS before the first request and after the load, VmHWM) and the deferred-prefill "
+                  "transient (llama-server /metrics):", "",
+                  "| cache | server args | RSS before MiB | RSS after MiB | peak MiB | transient peak MiB | transient after |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for r in mem:
+            m, rs = r.get("metrics", {}), r["rss_mib"]
+            lines.append(f"| {r['cache']} | {' '.join(r.get('server_args', [])) or '-'} | {rs['before']:.0f} | {rs['after']:.0f} "
+                         f"| {rs['peak']:.0f} | {m.get('kv_deferred_peak_bytes', 0) / 2**20:.1f} "
+                         f"| {m.get('kv_deferred_bytes', 0):.0f} B |")
     return "\n".join(lines) + "\n"
 
 
