@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import tempfile
 import time
@@ -48,40 +47,9 @@ class Case:
     extra: tuple[str, ...] = ()      # extra llama-server arguments (not memory-relevant ones)
 
 
-@contextmanager
-def _server(cmd: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 300) -> Iterator[tuple[str, int, Path]]:
-    """Start llama-server (cmd without host/port); yield (url, pid, log path); stop it."""
-    port = serve.free_port()
-    full = [*cmd, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
-    logf = tempfile.NamedTemporaryFile("w+", prefix="rq-plan-verify-", suffix=".log", delete=False)
-    e = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_ARG_"))}
-    e.update(env or {})
-    proc = subprocess.Popen(full, stdout=logf, stderr=subprocess.STDOUT, text=True, env=e)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                logf.flush()
-                raise VerifyError(f"llama-server exited with {proc.returncode}: {Path(logf.name).read_text()[-1500:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            if time.time() > deadline:
-                raise VerifyError(f"llama-server did not become healthy within {start_timeout:.0f} s")
-            time.sleep(0.3)
-        yield base, proc.pid, Path(logf.name)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        logf.close()
+def _server(cmd: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 300):
+    """llama-server `cmd` (without host/port): yields (url, pid, log path)."""
+    return serve.launch(cmd, env=env, start_timeout=start_timeout, error=VerifyError)
 
 
 def _post(url: str, body: dict, timeout: float) -> dict:
@@ -157,7 +125,6 @@ def measure(case: Case, *, threads: int = 2, n_predict: int = 8, progress: Calla
         except (OSError, ValueError):
             counters = {}
         logs = _log_sizes(log.read_text(errors="replace"))
-    log.unlink(missing_ok=True)
     measured = after["VmHWM"]
     err = (c.peak - measured) / measured
     row = {"case": case.name, "model": case.model.name, "ctx": case.ctx, "kv": case.kv, "parallel": case.parallel,
@@ -216,7 +183,6 @@ def check_expert_rules(model: Path, *, vram: int, ctx: int = 1024, threads: int 
     with _server([*cmd, "-t", str(threads), "-v", "--fit", "off"]) as (_base, pid, log):
         text = log.read_text(errors="replace")
         st = status(pid)
-    log.unlink(missing_ok=True)
     moved = {m.group(1): m.group(4) for m in _RX_OVERRIDDEN.finditer(text)}
     moved_bytes = sum(planned.get(n, 0) for n in moved)
     return {"case": "moe-expert-rules", "model": model.name, "vram_budget": vram, "rule": rule,

@@ -86,30 +86,26 @@ class Server:
 
 
 @contextmanager
-def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_per_slot: int = 512, threads: int = 2,
-           extra: list[str] | None = None, env: dict[str, str] | None = None,
-           start_timeout: float = 180) -> Iterator[Server]:
-    """Start llama-server on a free loopback port; yield it; stop it (SIGTERM, then kill)."""
-    k, v = kvtypes.split(cache)
+def launch(cmd: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 180,
+           error: type[Exception] = None) -> Iterator[tuple[str, int, Path]]:
+    """Start llama-server `cmd` (without host/port) on a free loopback port; yield (url, pid, log file); stop it
+    (SIGTERM, then kill) and remove the log. Switches inherited from the environment are dropped."""
+    error = error or ServeError
     port = free_port()
-    cmd = [str(tools.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-c", str(ctx_per_slot * parallel), "--parallel", str(parallel), "-t", str(threads), "-fa", "on",
-           "-ctk", k, "-ctv", v, "--no-webui", "--metrics", *(extra or [])]
-    if not kvtypes.k_center(cache):
-        cmd.append("--no-k-center")
-    e = {kk: vv for kk, vv in os.environ.items() if not kk.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
+    full = [*cmd, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_ARG_"))}
     e.update(env or {})
     # the log goes to a file: an unread pipe fills up (64 KiB) and then blocks the server's main loop,
     # which the 30-minute soak found
-    log = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=e)
+    log = tempfile.NamedTemporaryFile("w+", prefix="rq-llama-server-", suffix=".log", delete=False)
+    proc = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, text=True, env=e)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + start_timeout
         while True:
             if proc.poll() is not None:
-                log.seek(0)
-                raise ServeError(f"llama-server exited with {proc.returncode}: {log.read()[-1500:]}")
+                log.flush()
+                raise error(f"llama-server exited with {proc.returncode}: {Path(log.name).read_text()[-1500:]}")
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -117,9 +113,9 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
             except (OSError, urllib.error.HTTPError):
                 pass
             if time.time() > deadline:
-                raise ServeError(f"llama-server did not become healthy within {start_timeout:.0f} s")
+                raise error(f"llama-server did not become healthy within {start_timeout:.0f} s")
             time.sleep(0.3)
-        yield Server(base, proc.pid)
+        yield base, proc.pid, Path(log.name)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -128,6 +124,22 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
             proc.kill()
             proc.wait()
         log.close()
+        Path(log.name).unlink(missing_ok=True)
+
+
+@contextmanager
+def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_per_slot: int = 512, threads: int = 2,
+           extra: list[str] | None = None, env: dict[str, str] | None = None,
+           start_timeout: float = 180) -> Iterator[Server]:
+    """llama-server for `model` with `parallel` slots and a cache spec (see kvtypes)."""
+    k, v = kvtypes.split(cache)
+    cmd = [str(tools.binary("llama-server")), "-m", str(model), "-c", str(ctx_per_slot * parallel),
+           "--parallel", str(parallel), "-t", str(threads), "-fa", "on", "-ctk", k, "-ctv", v, "--metrics",
+           *(extra or [])]
+    if not kvtypes.k_center(cache):
+        cmd.append("--no-k-center")
+    with launch(cmd, env=env, start_timeout=start_timeout) as (base, pid, _log):
+        yield Server(base, pid)
 
 
 def _post(url: str, body: dict, timeout: float) -> urllib.request.Request:
