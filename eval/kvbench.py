@@ -195,6 +195,19 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
     }
 
 
+def _ratio_table(rows: list[dict], title: str, cols: list[tuple[str, str]]) -> list[str]:
+    """A table of the rows that carry the first column's ratio (empty when none do)."""
+    sel = sorted((r for r in rows if cols[0][1] in r["extra"]), key=lambda r: (r["depth"], r["label"]))
+    if not sel:
+        return []
+    out = ["", title, "", "| cache | depth | " + " | ".join(c for c, _ in cols) + " |",
+           "|---|---:|" + "---:|" * len(cols)]
+    for r in sel:
+        vals = [r["extra"].get(k) for _, k in cols]
+        out.append(f"| {r['label']} | {r['depth']} | " + " | ".join("–" if v is None else f"{v:.3f}" for v in vals) + " |")
+    return out
+
+
 def to_markdown(res: dict) -> str:
     def f(x, nd=1):
         return "–" if x is None else f"{x:.{nd}f}"
@@ -213,20 +226,9 @@ def to_markdown(res: dict) -> str:
         e = r["extra"]
         lines.append(f"| {r['label']} | {r['depth']} | {r['kv_bytes_per_token']:.0f} | {f(r['pp_tps'])} | {f(r['tg_tps'])} "
                      f"| {f(e.get('tg_vs_f16'), 2)} | {f(e.get('tg_fused_over_unfused'), 2)} | {f(e.get('tg_vs_q4_0'), 2)} |")
-    calib = [r for r in res["rows"] if "tg_calib_over_plain" in r["extra"]]
-    if calib:
-        lines += ["", "K centring cost (a \"+calib\" row over the same cache without it, same run):", "",
-                  "| cache | depth | tg calib/plain | pp calib/plain |", "|---|---:|---:|---:|"]
-        for r in sorted(calib, key=lambda r: (r["depth"], r["label"])):
-            e = r["extra"]
-            lines.append(f"| {r['label']} | {r['depth']} | {f(e.get('tg_calib_over_plain'), 3)} "
-                         f"| {f(e.get('pp_calib_over_plain'), 3)} |")
-    dfr = [r for r in res["rows"] if "tg_deferred_over_plain" in r["extra"]]
-    if dfr:
-        lines += ["", "Deferred prefill (a \"-deferred\" row over the same cache without it, and over f16, same run):", "",
-                  "| cache | depth | pp deferred/plain | pp deferred/f16 | tg deferred/plain |", "|---|---:|---:|---:|---:|"]
-        for r in sorted(dfr, key=lambda r: (r["depth"], r["label"])):
-            e = r["extra"]
-            lines.append(f"| {r['label']} | {r['depth']} | {f(e.get('pp_deferred_over_plain'), 3)} "
-                         f"| {f(e.get('pp_vs_f16'), 3)} | {f(e.get('tg_deferred_over_plain'), 3)} |")
+    lines += _ratio_table(res["rows"], "K centring cost (a \"+calib\" row over the same cache without it, same run):",
+                          [("tg calib/plain", "tg_calib_over_plain"), ("pp calib/plain", "pp_calib_over_plain")])
+    lines += _ratio_table(res["rows"], "Deferred prefill (a \"-deferred\" row over the same cache without it, and over "
+                          "f16, same run):", [("pp deferred/plain", "pp_deferred_over_plain"), ("pp deferred/f16", "pp_vs_f16"),
+                                              ("tg deferred/plain", "tg_deferred_over_plain")])
     return "\n".join(lines) + "\n"

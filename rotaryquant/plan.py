@@ -375,15 +375,20 @@ def _norm_spec(label: str) -> str:
     return spec + ("+calib" if label.endswith("+calib") else "")
 
 
+def _result_files(results: Path, pattern: str) -> Iterator[tuple[Path, dict]]:
+    """(path, parsed JSON) of each readable results file matching pattern."""
+    for p in sorted(Path(results).glob(pattern)):
+        try:
+            yield p, json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+
+
 def load_measurements(results: Path = RESULTS) -> list[Measurement]:
     """Every KLD in docs/results that rq-plan can use: KV types (kv-quality*.json, fused, not deferred)
     and whole-model weight types (weights-*.json rows that requantise every tensor)."""
     out: list[Measurement] = []
-    for p in sorted(Path(results).glob("kv-quality*.json")):
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
+    for p, d in _result_files(results, "kv-quality*.json"):
         km = _known_by_file(d.get("model", ""))
         for r in d.get("rows", []):
             label = r.get("label", "")
@@ -392,11 +397,7 @@ def load_measurements(results: Path = RESULTS) -> list[Measurement]:
             out.append(Measurement("kv", _norm_spec(label), km.id if km else d["model"],
                                    f"{km.label if km else d['model']} ({d['model']})", int(r["ctx"]),
                                    float(r["kld_mean"]), p.name))
-    for p in sorted(Path(results).glob("weights-*.json")):
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, ValueError):
-            continue
+    for p, d in _result_files(results, "weights-*.json"):
         km = _known_by_file(d.get("model", ""))
         for r in d.get("rows", []):
             label = r.get("label", "")
