@@ -190,11 +190,12 @@ def build(results: Path) -> Path:
         kvq = json.loads(f.read_text())
         for r in kvq["rows"]:
             if r["label"].endswith(" deferred") and "isoquant3_0" in r["label"]:
-                both.append(f"{kvq['model']} llama-perplexity ctx {r['ctx']} {r['label']}: KLD {r['kld_mean']:.4f}")
+                both.append(f"{kvq['model']} llama-perplexity ctx {r['ctx']} {r['label']}: KLD {abs(r['kld_mean']):.4f}")
     for f in decode_files:
         dec = json.loads(f.read_text())
+        n_max = max(r["prefill"] for r in dec["rows"])
         for r in dec["rows"]:
-            if r["cache"].startswith("isoquant3_0") and "/" not in r["cache"]:
+            if r["cache"] in ("isoquant3_0", "isoquant3_0+calib") and r["prefill"] == n_max:
                 both.append(f"{dec['model']} decode N={r['prefill']} {r['cache']}{' deferred' if r['deferred'] else ''}: "
                             f"KLD {r['kld_mean']:.4f} (step 0 {r['kld_step0']:.4f})")
     if both:
