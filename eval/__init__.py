@@ -1,1 +1,2 @@
-"""Measurements: KV-cache speed and size now; perplexity/KLD, NIAH and the quality gate grow here."""
+"""Measurements behind `rq-eval` and `rq-bench`: KV-cache quality (perplexity/KLD, decode-time KLD, NIAH, the
+quality gate), speed and memory, weight types, llama-server under load, and the report that collects them."""
