@@ -10,9 +10,11 @@
 #   build   unpack the tree, link our sources into it, configure (-DGGML_CUDA=ON, sm_90), build
 #           ggml-cuda, test-backend-ops, llama-bench, llama-quantize and rq-counters
 #   test    test-backend-ops -b CUDA0 against the CPU for FLASH_ATTN_EXT, SET_ROWS, CPY, GET_ROWS,
-#           MUL_MAT, MUL_MAT_ID on isoquant3_0 / itq3_s; a random-weight Qwen2-shaped model (head 128)
+#           MUL_MAT, MUL_MAT_ID on isoquant3_0 / isoquant4_0 / itq3_s; a random-weight Qwen2-shaped model (head 128)
 #           quantised to Q4_K_M, ITQ3_S, IQ3_S; rq-counters (fused decode: 0 dequantised rows)
-#   bench   llama-bench: KV f16 / q8_0 / q4_0 / isoquant3_0 fused / unfused at depth 0, 4K, 16K;
+#   bench   llama-bench: KV f16 / q8_0 / q4_0 / isoquant3_0 / isoquant4_0 fused, isoquant3_0 unfused, and
+#           isoquant3_0 / q4_0 with deferred prefill (LLAMA_KV_DEFERRED=1: its graph ops' first CUDA run) at
+#           depth 0, 4K, 16K;
 #           weights ITQ3_S vs IQ3_S vs Q4_K_M
 # Overrides: RQ_GPU_WORK (build/gpu-work), RQ_GPU_TARBALL, RQ_GPU_BUDGET, RQ_GPU_JOBS, RQ_GPU_ARCHS (90-real),
 # RQ_GPU_TARGETS (ninja targets), RQ_GPU_DEPTHS (0,4096,16384), RQ_GPU_PP (512), RQ_GPU_TG (64),
@@ -132,14 +134,14 @@ do_test() {
     log "test-backend-ops -b CUDA0 (our types)"
     local t=$(date +%s)
     timeout 240 "$BIN/test-backend-ops" test -b CUDA0 -j 8 \
-        -o FLASH_ATTN_EXT,SET_ROWS,CPY,GET_ROWS,MUL_MAT,MUL_MAT_ID -p 'isoquant3_0|itq3_s' > "$OUT/backend-ops.txt" 2>&1
+        -o FLASH_ATTN_EXT,SET_ROWS,CPY,GET_ROWS,MUL_MAT,MUL_MAT_ID -p 'isoquant3_0|isoquant4_0|itq3_s' > "$OUT/backend-ops.txt" 2>&1
     local rc=$?
     local pass fail nsup
     pass=$(grep -c '): .*OK' "$OUT/backend-ops.txt" || true)
     fail=$(grep -c '): .*FAIL' "$OUT/backend-ops.txt" || true)
     nsup=$(grep -c '): not supported' "$OUT/backend-ops.txt" || true)
     log "test-backend-ops rc=$rc: $pass OK, $fail FAIL, $nsup not supported ($(( $(date +%s) - t )) s)"
-    note "- test-backend-ops (CUDA0 vs CPU; FLASH_ATTN_EXT SET_ROWS CPY GET_ROWS MUL_MAT MUL_MAT_ID; isoquant3_0|itq3_s): rc=$rc, $pass OK, $fail FAIL, $nsup not supported"
+    note "- test-backend-ops (CUDA0 vs CPU; FLASH_ATTN_EXT SET_ROWS CPY GET_ROWS MUL_MAT MUL_MAT_ID; isoquant3_0|isoquant4_0|itq3_s): rc=$rc, $pass OK, $fail FAIL, $nsup not supported"
     grep '): .*FAIL' "$OUT/backend-ops.txt" | head -20 | sed 's/^/  - /' >> "$SUMMARY"
     if [ "$pass" -eq 0 ] || [ "$fail" -ne 0 ] || [ $rc -ne 0 ]; then
         RC=1
@@ -177,12 +179,25 @@ do_bench() {
     for t in f16 q8_0 q4_0 isoquant3_0; do
         enough "bench-kv $t" 60 || break
         log "llama-bench KV $t"
-        bench "$kv" "K/V $t" LLAMA_ISOQUANT_UNFUSED=0 -- -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk $t -ctv $t -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
+        bench "$kv" "K/V $t" LLAMA_ISOQUANT_UNFUSED=0 LLAMA_KV_DEFERRED=0 -- -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk $t -ctv $t -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
     done
     if enough "bench-kv isoquant3_0 unfused" 60; then
         log "llama-bench KV isoquant3_0 unfused"
-        bench "$kv" "K/V isoquant3_0, unfused (LLAMA_ISOQUANT_UNFUSED=1)" LLAMA_ISOQUANT_UNFUSED=1 -- \
+        bench "$kv" "K/V isoquant3_0, unfused (LLAMA_ISOQUANT_UNFUSED=1)" LLAMA_ISOQUANT_UNFUSED=1 LLAMA_KV_DEFERRED=0 -- \
             -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk isoquant3_0 -ctv isoquant3_0 -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
+    fi
+    # deferred prefill: prompt graphs dequantise the cache, undo attn_rot (q4_0) and patch F16 rows in (get_rows,
+    # set_rows, cast, mul_mat): never run on a GPU before; pp is the number to compare with f16
+    for t in isoquant3_0 q4_0; do
+        enough "bench-kv $t deferred" 60 || break
+        log "llama-bench KV $t deferred"
+        bench "$kv" "K/V $t, deferred prefill (LLAMA_KV_DEFERRED=1)" LLAMA_ISOQUANT_UNFUSED=0 LLAMA_KV_DEFERRED=1 -- \
+            -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk $t -ctv $t -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
+    done
+    if enough "bench-kv isoquant4_0" 60; then
+        log "llama-bench KV isoquant4_0"
+        bench "$kv" "K/V isoquant4_0" LLAMA_ISOQUANT_UNFUSED=0 LLAMA_KV_DEFERRED=0 -- \
+            -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk isoquant4_0 -ctv isoquant4_0 -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
     fi
     if enough "bench-weights" 60; then
         printf '# Weight types (random Qwen2-shaped model, F16 K/V)\n' > "$w"
