@@ -64,12 +64,8 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 def status(pid: int) -> dict[str, int]:
     """VmHWM, VmRSS, RssAnon, RssFile of a process, bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        k, _, v = line.partition(":")
-        if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-            out[k] = int(v.split()[0]) * 1024
-    return out
+    st = serve.proc_status(pid)
+    return {k: st[k] for k in ("VmHWM", "VmRSS", "RssAnon", "RssFile") if k in st}
 
 
 _RX_LOG = {  # server log lines (printed at -v)

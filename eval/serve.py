@@ -196,15 +196,19 @@ def _parse(req: Request, raw: str, stream: bool) -> tuple[str, int]:
     return "".join(text), n
 
 
-def proc_status_mib(pid: int) -> dict[str, float]:
-    """VmRSS/VmHWM (and the other Vm* lines) of a process, in MiB."""
+def proc_status(pid: int) -> dict[str, int]:
+    """The memory lines of /proc/PID/status (VmRSS, VmHWM, RssAnon, RssFile, ...), in bytes."""
     out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Vm") and line.rstrip().endswith("kB"):
-                name, _, value = line.partition(":")
-                out[name] = round(int(value.split()[0]) / 1024, 1)
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if value.rstrip().endswith("kB"):
+            out[name] = int(value.split()[0]) * 1024
     return out
+
+
+def proc_status_mib(pid: int) -> dict[str, float]:
+    """proc_status in MiB."""
+    return {k: round(v / 2**20, 1) for k, v in proc_status(pid).items()}
 
 
 def metrics(base: str) -> dict[str, float]:
@@ -351,7 +355,7 @@ def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, client
 
 
 def _rss_kib(pid: int) -> int:
-    return round(proc_status_mib(pid).get("VmRSS", 0) * 1024)
+    return proc_status(pid).get("VmRSS", 0) // 1024
 
 
 def to_markdown(results: list[dict]) -> str:
