@@ -7,6 +7,7 @@ Modules: ``convert`` (the entry point: ``convert(source, output, Options(...)) -
 package driven with our hooks), ``gguf_source`` (GGUF input), ``writer`` (the streaming GGUFWriter),
 ``recipes`` (role -> type, kurtosis promotion, overrides, the per-tensor plan), ``roles``, ``stats``,
 ``qtypes`` (type names, fallbacks, quantisation), ``imatrix``, ``torchshim`` (numpy stand-in for
-torch), ``rebuild`` (HF folders made from the packaged GGUFs, toy models), ``bench``, and ``itq3``
-(the ITQ3_S numpy quantiser).
+torch), ``dtypes`` (the safetensors dtype table, bfloat16 <-> float32), ``bench``, and ``itq3``
+(the ITQ3_S numpy quantiser). The HF folders that tests, the benchmark and ``make demo`` convert are
+made by ``rotaryquant.fixtures``, outside this package.
 """

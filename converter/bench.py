@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     # built in a child: a fork inherits the parent's RSS high-water mark (Linux keeps
                     # it across exec), so the parent must stay small for the peak-RSS numbers
                     folder = work / "smollm2-hf"
-                    subprocess.run([sys.executable, "-c", "import sys; from rotaryquant.converter.rebuild import "
+                    subprocess.run([sys.executable, "-c", "import sys; from rotaryquant.fixtures import "
                                     "smollm2_hf_folder as f; f(sys.argv[1], sys.argv[2], n_layers="
                                     f"{layers!r})", str(src), str(folder)], check=True)
                     rows += bench_hf(name, folder, recipes, work, args.nice)

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from rotaryquant.converter.dtypes import SAFETENSORS_DTYPES
 from rotaryquant.converter.errors import ConvertError
-from rotaryquant.converter.rebuild import SAFETENSORS_DTYPES
 
 log = logging.getLogger("rq-convert")
 

@@ -104,7 +104,7 @@ def file_type_for(weights_per_type: dict[QT, int]) -> LlamaFileType:
 # --- quantisation -----------------------------------------------------------------------------------
 
 def _bf16(x: np.ndarray) -> np.ndarray:
-    from rotaryquant.converter.rebuild import f32_to_bf16_bits
+    from rotaryquant.converter.dtypes import f32_to_bf16_bits
 
     return f32_to_bf16_bits(x).view(np.uint8)
 

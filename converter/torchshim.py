@@ -27,6 +27,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from rotaryquant.converter.dtypes import bf16_bits_to_f32
+
 
 class ShimUnsupported(NotImplementedError):
     """The numpy stand-in lacks a torch feature that a converter code path used."""
@@ -111,11 +113,6 @@ def _t(x: Any) -> "Tensor":
     """Any array-like as a Tensor (no copy when already an ndarray)."""
     a = np.asarray(x)
     return a.view(Tensor)
-
-
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    u16 = np.ascontiguousarray(raw).view(np.uint16)
-    return (u16.astype(np.uint32) << 16).view(np.float32)
 
 
 def _dims(args: tuple) -> tuple:
@@ -210,9 +207,10 @@ class Tensor(np.ndarray):
             if d == bfloat16:
                 if self.dtype == np.uint8 or self.dtype == np.int16 or self.dtype == np.uint16:
                     raw = np.ascontiguousarray(_b(self))
-                    out = _bf16_to_f32(raw.view(np.uint8).reshape(-1)).reshape(
-                        *self.shape[:-1], self.shape[-1] * self.itemsize // 2) if self.ndim else _bf16_to_f32(raw)
-                    return out.view(Tensor)
+                    if not self.ndim:
+                        return bf16_bits_to_f32(raw).view(Tensor)
+                    out = bf16_bits_to_f32(raw.view(np.uint8).reshape(-1))
+                    return out.reshape(*self.shape[:-1], self.shape[-1] * self.itemsize // 2).view(Tensor)
                 raise ShimUnsupported(f"view of {self.dtype} as bfloat16")
             if d in _SENTINELS:
                 raise ShimUnsupported(f"{_SENTINELS[d]} weights (install torch and use --tensor-backend torch)")

@@ -142,7 +142,7 @@ def synthetic_moe(workdir: Path, *, recipe: str = "rotaryquant", progress: Calla
     """A random-weight Qwen2-MoE (shared expert + routed experts) converted by rq-convert: experts are
     most of its weights, as in the paper's models. ``shape``: qwen2moe_toy_folder's keyword arguments."""
     from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.converter.rebuild import qwen2moe_toy_folder, smollm2_hf_folder
+    from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
 
     out = workdir / f"qwen2moe-synthetic-{recipe}.gguf"
     if out.exists():

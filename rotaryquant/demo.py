@@ -96,7 +96,7 @@ def wrap(text: str) -> list[str]:
 
 def weights_demo(prompt: str, threads: int, n_predict: int) -> None:
     from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.converter.rebuild import smollm2_hf_folder
+    from rotaryquant.fixtures import smollm2_hf_folder
 
     print("\n[1/2] Weights: SmolLM2-135M-Instruct, F16 vs two rq-convert recipes")
     work = paths.cache_dir() / "demo"

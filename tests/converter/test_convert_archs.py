@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rotaryquant.converter.hf import NUMPY_VERIFIED
-from rotaryquant.converter.rebuild import TOY_ARCHS, toy_folder
+from rotaryquant.fixtures import TOY_ARCHS, toy_folder
 
 
 def test_verified_list_is_what_the_suite_checks():

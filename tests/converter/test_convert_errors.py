@@ -16,7 +16,7 @@ import pytest
 from rotaryquant.converter.cli import main as cli_main
 from rotaryquant.converter.convert import Options, convert
 from rotaryquant.converter.errors import ConvertError
-from rotaryquant.converter.rebuild import write_safetensors
+from rotaryquant.fixtures import write_safetensors
 
 
 def _fails(capsys, args, *needles, out: Path | None = None):
@@ -127,7 +127,6 @@ def test_unreadable_dtype(folder, outdir, capsys):
 
 def test_nan_weights(folder, outdir, capsys):
     """A tensor with NaN fails mid-conversion: the partial output and spill file are removed."""
-    from rotaryquant.converter.rebuild import SAFETENSORS_DTYPES  # noqa: F401
 
     p = _shard(folder)
     raw = bytearray(p.read_bytes())

@@ -12,7 +12,7 @@ from rotaryquant.converter import itq3, qtypes
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.qtypes import QT
-from rotaryquant.converter.rebuild import heavy_tailed
+from rotaryquant.fixtures import heavy_tailed
 from rotaryquant.converter.recipes import RECIPES, Planner, get_recipe, parse_override
 from rotaryquant.converter.stats import activation_kurtosis, excess_kurtosis
 

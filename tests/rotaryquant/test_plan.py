@@ -25,7 +25,7 @@ def smol_header(smollm2) -> P.Header:
 def toy_moe(smollm2, tmp_path_factory):
     """(HF folder, its rq-convert output without kurtosis promotion): a tiny random Qwen2-MoE."""
     from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.converter.rebuild import qwen2moe_toy_folder, smollm2_hf_folder
+    from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
 
     root = tmp_path_factory.mktemp("plan-moe")
     tok = smollm2_hf_folder(smollm2, root / "smol-2L", n_layers=2)

@@ -1,6 +1,8 @@
-"""Hugging Face folders made locally: the packaged SmolLM2 GGUF turned back into an HF folder, and a
-tiny random-weight Qwen2-MoE folder with a shared expert. Tests and the benchmark use them (no model
-hub is reachable here; see /work/shared/docs/models.md).
+"""Hugging Face folders made locally, for the tests, ``make demo``, the converter benchmark and
+``rq-plan --verify``: the packaged SmolLM2 GGUF turned back into an HF folder, a tiny random-weight
+Qwen2-MoE folder with a shared expert, and tiny folders of other llama-like architectures (no model
+hub is reachable here; see /work/shared/docs/models.md). Not part of the converter: it imports the
+converter's dtype helpers, never the other way round.
 
 numpy + ``tokenizers`` only (no torch): tensors are dequantised with gguf-py, llama.cpp's Q/K row
 permutation is undone, names are mapped back to transformers' ``LlamaForCausalLM`` names, and the
@@ -16,22 +18,10 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-__all__ = ["write_safetensors", "f32_to_bf16_bits", "smollm2_hf_folder", "qwen2moe_toy_folder",
-           "copy_tokenizer", "SAFETENSORS_DTYPES"]
+from rotaryquant.converter.dtypes import SAFETENSORS_DTYPES, f32_to_bf16_bits
 
-SAFETENSORS_DTYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2),
-                      "F64": (np.float64, 8), "I64": (np.int64, 8), "I32": (np.int32, 4),
-                      "I16": (np.int16, 2), "I8": (np.int8, 1), "U8": (np.uint8, 1), "BOOL": (np.bool_, 1)}
-
-
-def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even (what torch does)."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():
-        r[nan] = 0x7FC0
-    return r
+__all__ = ["write_safetensors", "smollm2_hf_folder", "qwen2moe_toy_folder", "toy_folder", "TOY_ARCHS",
+           "heavy_tailed", "copy_tokenizer"]
 
 
 def _as_st(a: np.ndarray, dtype: str) -> np.ndarray:
