@@ -1,9 +1,10 @@
 """Tensor types: names as llama-quantize spells them, block sizes, llama.cpp's fallback for rows that
 do not fit a block, and quantisation of float32 rows to any of them.
 
-ITQ3_S goes through our numpy quantiser (``rotaryquant.converter.itq3``, bit-identical to C); every other
-ggml type through ggml's own ``ggml_quantize_chunk`` (``rotaryquant.bindings.quantize``, what
-llama-quantize calls); F32/F16 are numpy casts and BF16 rounds to nearest even (as gguf-py does).
+Every quantised type, ITQ3_S included, goes through ggml's own ``ggml_quantize_chunk``
+(``rotaryquant.bindings.quantize``, what llama-quantize calls; for ITQ3_S byte-identical to the numpy
+reference ``rotaryquant.quants.itq3``, and faster); F32/F16 are numpy casts and BF16 rounds to nearest
+even (as gguf-py does).
 """
 
 from __future__ import annotations
@@ -110,10 +111,6 @@ def _bf16(x: np.ndarray) -> np.ndarray:
 
 
 def _rows(x: np.ndarray, t: QT, imatrix: np.ndarray | None) -> np.ndarray:
-    if t == QT.ITQ3_S:
-        from rotaryquant.converter import itq3
-
-        return itq3.quantize_rows(x, imatrix)
     from rotaryquant import bindings
 
     return bindings.quantize(x, int(t), imatrix)

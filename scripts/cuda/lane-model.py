@@ -7,7 +7,7 @@ Nothing here runs CUDA. It is a line-by-line numpy transcription of what each wa
 ggml-patches/src/cuda/*.cu does -- the lane layouts, the shuffle patterns (lane ^ m), the float
 operation order, the bit unpacking from staged words, the online softmax over 128-row tiles with KV
 splits and the combine step -- run for all 32 lanes at once and compared with the bit-exact numpy
-references (rotaryquant.quants.isoquant, converter.itq3) or with a float64 attention. It catches
+references (rotaryquant.quants.isoquant, rotaryquant.quants.itq3) or with a float64 attention. It catches
 index-algebra and ordering mistakes without a GPU; it cannot catch CUDA-specific ones (races,
 launch bounds, flags), which only scripts/cuda/gpu-check.sh on a GPU can.
 """
@@ -23,11 +23,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, ROOT)
 
 from rotaryquant.quants import isoquant as iq  # noqa: E402
-
-try:
-    from rotaryquant.converter import itq3  # installed package layout
-except ImportError:  # a plain checkout
-    from converter import itq3  # type: ignore[no-redef]
+from rotaryquant.quants import itq3  # noqa: E402
 
 F32, F64 = np.float32, np.float64
 LANES = np.arange(32)

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
-from rotaryquant.converter import itq3, qtypes
+from rotaryquant.converter import qtypes
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.cli import main as cli_main
 from rotaryquant.converter.convert import Options, convert
 from rotaryquant.converter.qtypes import QT
 from rotaryquant.converter.recipes import RECIPES
+from rotaryquant.quants import itq3
 
 OURS = "rotaryquant.converter."
 

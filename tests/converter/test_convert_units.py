@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
-from rotaryquant.converter import itq3, qtypes
+from rotaryquant.converter import qtypes
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.qtypes import QT
 from rotaryquant.fixtures import heavy_tailed
 from rotaryquant.converter.recipes import RECIPES, Planner, get_recipe, parse_override
 from rotaryquant.converter.stats import activation_kurtosis, excess_kurtosis
+from rotaryquant.quants import itq3
 
 
 @pytest.mark.parametrize("name,n_dims,role", [

@@ -1,4 +1,4 @@
-"""ITQ3_S: the numpy quantiser (converter/itq3.py) and ggml's C quantiser agree byte for byte."""
+"""ITQ3_S: the numpy quantiser (rotaryquant/quants/itq3.py) and ggml's C quantiser agree byte for byte."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
-from rotaryquant.converter import itq3
+from rotaryquant.quants import itq3
 
 ITQ = bindings.GGMLType.ITQ3_S
 

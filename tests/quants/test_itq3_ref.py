@@ -1,4 +1,4 @@
-"""Tests of the ITQ3_S tables and the production numpy quantiser (converter/itq3.py).
+"""Tests of the ITQ3_S tables and the production numpy quantiser (rotaryquant/quants/itq3.py).
 
 The centre piece is `scalar_quantize_block`: a literal, loop-by-loop transcription of
 the format spec (docs/itq3-design.md, "Final specification") in numpy float32
@@ -10,7 +10,6 @@ additionally needs scipy.  Runs in well under a minute.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -22,19 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # allow running without an installed package / PYTHONPATH
     sys.path.insert(0, str(ROOT))
 
+from rotaryquant.quants import itq3  # noqa: E402
 from rotaryquant.quants import itq3_tables as tables  # noqa: E402
-
-
-def _load_itq3():
-    """converter/itq3.py by path (the package maps converter/ to rotaryquant.converter only
-    when installed)."""
-    spec = importlib.util.spec_from_file_location("_itq3_under_test", ROOT / "converter" / "itq3.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-itq3 = _load_itq3()
 
 F32 = np.float32
 QK = 256
