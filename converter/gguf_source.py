@@ -2,9 +2,9 @@
 planner/quantiser as an HF conversion; metadata is copied (the tokenizer and hyper-parameters are
 already in llama.cpp's form), except the keys that describe the old quantisation.
 
-Dequantisation: our numpy ITQ3_S decoder (bit-identical to C), ggml's own ``to_float`` (through
-rotaryquant.bindings: what llama.cpp itself decodes) for the other quantised types, gguf-py's numpy
-reference as the fallback.
+Dequantisation: ggml's own ``to_float`` (through rotaryquant.bindings: what llama.cpp itself decodes)
+for every quantised type, gguf-py's numpy ``gguf.quants`` as the fallback (it knows our types too: patch
+0005 registers ``rotaryquant.quants.gguf_quants``).
 """
 
 from __future__ import annotations
@@ -66,10 +66,6 @@ def dequantize(t: Any) -> np.ndarray:
     if qt in (QT.F16, QT.BF16, QT.F64):
         return np.asarray(quants.dequantize(t.data, qt), dtype=np.float32).reshape(shape)
     raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, t.data.shape[-1])
-    if qt == QT.ITQ3_S:
-        from rotaryquant.converter import itq3
-
-        return itq3.dequantize_rows(raw).reshape(shape)
     try:
         # ggml's own to_float: the exact decoder llama.cpp uses, and ~10x faster than gguf-py's numpy one
         from rotaryquant import bindings

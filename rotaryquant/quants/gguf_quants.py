@@ -1,0 +1,55 @@
+"""gguf-py's quantiser classes of our types: ITQ3_S, ISOQUANT3_0, ISOQUANT4_0.
+
+``gguf.quants`` keeps one small class per type (``quantize_blocks`` / ``dequantize_blocks`` over numpy
+block arrays), registered in its type table by the class statement itself (``__Quant.__init_subclass__``).
+Patch 0005 ends gguf/quants.py with a hook that calls :func:`register` with that base class when
+rotaryquant is importable, so ``gguf.quants.quantize`` / ``dequantize``, and every tool reading tensors
+with ``GGUFReader``, handle our types as they handle Q4_0. The numerics stay here, in
+``rotaryquant.quants.itq3`` and ``rotaryquant.quants.isoquant`` (bit-exact with the C library); the
+patch only hooks them in.
+
+No import of ``gguf`` at module level: :func:`register` runs while ``gguf.quants`` is still executing,
+when only ``gguf.constants`` (imported before it) is complete.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["register"]
+
+
+def register(base: type) -> tuple[type, ...]:
+    """Define (and thereby register) gguf-py's classes of our types on ``base`` (gguf.quants.__Quant)."""
+    from gguf.constants import GGMLQuantizationType as QT
+
+    from rotaryquant.quants import isoquant, itq3
+
+    class ITQ3_S(base, qtype=QT.ITQ3_S):
+        @classmethod
+        def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return itq3.quantize_blocks(blocks)
+
+        @classmethod
+        def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return itq3.dequantize_blocks(blocks)
+
+    class ISOQUANT3_0(base, qtype=QT.ISOQUANT3_0):
+        @classmethod
+        def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return isoquant.quantize_blocks(blocks, bits=3)
+
+        @classmethod
+        def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return isoquant.dequantize_blocks(blocks, bits=3)
+
+    class ISOQUANT4_0(base, qtype=QT.ISOQUANT4_0):
+        @classmethod
+        def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return isoquant.quantize_blocks(blocks, bits=4)
+
+        @classmethod
+        def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+            return isoquant.dequantize_blocks(blocks, bits=4)
+
+    return ITQ3_S, ISOQUANT3_0, ISOQUANT4_0
