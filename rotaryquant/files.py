@@ -1,0 +1,19 @@
+"""File helpers shared by set-up (``rotaryquant.build``) and the default assets (``rotaryquant.assets``).
+
+Stdlib only and a leaf: it imports nothing of ours, so either side can use it before the virtual
+environment exists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
