@@ -79,7 +79,7 @@ else
     log "cuBLAS: headers $DEPS/include, stub libraries (compile only)"
 fi
 
-# ---- (b) configure (same CPU flags as rotaryquant/build.py PORTABLE_CPU)
+# ---- (b) configure (same CPU flags as rotaryquant/build/cmake.py PORTABLE_CPU)
 CPU_FLAGS=()
 case $(uname -m) in
     x86_64|amd64) CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON) ;;

@@ -1,4 +1,4 @@
-"""rotaryquant.build: pinned upstream, patch series, the built programs."""
+"""rotaryquant.build (sdist, patches, cmake): pinned upstream, patch series, the built programs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rotaryquant import build, paths
+from rotaryquant import paths
+from rotaryquant.build import cmake, patches, sdist
+from rotaryquant.build.common import PATCH_DIR, SetupError
 
 
 def _pristine_copy(upstream_tree: Path, dest: Path) -> Path:
@@ -18,30 +20,30 @@ def _pristine_copy(upstream_tree: Path, dest: Path) -> Path:
 
 
 def test_lock_pins_the_sdist():
-    lock = build.read_lock()
+    lock = sdist.read_lock()
     assert (lock.package, lock.version) == ("llama-cpp-python", "0.3.36")
     assert len(lock.sha256) == 64
 
 
 def test_series_applies_to_pristine_upstream(upstream_tree, tmp_path):
     root = _pristine_copy(upstream_tree, tmp_path / "tree")
-    series = build.patch_series()
+    series = patches.patch_series()
     assert series, "ggml-patches/ holds no patches"
-    build.apply_series(root, series, build.read_lock())
+    patches.apply_series(root, series, sdist.read_lock())
     log = subprocess.run(["git", "-C", str(root), "log", "--format=%s", "pristine..HEAD"],
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert len(log) == len(series)
     # the hooks reference our sources by path, and the sources exist
     cm = (root / "vendor/llama.cpp/ggml/src/CMakeLists.txt").read_text()
     assert "ggml-rq/isoquant.c" in cm
-    assert (build.PATCH_DIR / "src" / "isoquant.c").exists()
+    assert (PATCH_DIR / "src" / "isoquant.c").exists()
 
 
 def test_broken_patch_is_named(upstream_tree, tmp_path):
     root = _pristine_copy(upstream_tree, tmp_path / "tree")
     bad_dir = tmp_path / "patches"
     bad_dir.mkdir()
-    series = build.patch_series()
+    series = patches.patch_series()
     for p in series:
         shutil.copy(p, bad_dir / p.name)
     victim = bad_dir / series[-1].name
@@ -52,18 +54,18 @@ def test_broken_patch_is_named(upstream_tree, tmp_path):
     i = next(i for i in range(first_hunk, len(lines)) if lines[i].startswith(" ") and len(lines[i].strip()) > 8)
     lines[i] = " THIS LINE IS NOT IN UPSTREAM\n"
     victim.write_text("".join(lines))
-    with pytest.raises(build.SetupError, match=victim.name):
-        build.apply_series(root, sorted(bad_dir.glob("*.patch")), build.read_lock())
+    with pytest.raises(SetupError, match=victim.name):
+        patches.apply_series(root, sorted(bad_dir.glob("*.patch")), sdist.read_lock())
     # git am was aborted: nothing half-applied is left in progress
     assert not (root / ".git" / "rebase-apply").exists()
 
 
 def test_checksum_mismatch_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("RQ_CACHE", str(tmp_path / "cache"))
-    lock = build.read_lock()
-    wrong = build.Lock(lock.package, lock.version, lock.sdist, "0" * 64)
-    with pytest.raises(build.SetupError, match="checksum mismatch"):
-        build.fetch_sdist(wrong)
+    lock = sdist.read_lock()
+    wrong = sdist.Lock(lock.package, lock.version, lock.sdist, "0" * 64)
+    with pytest.raises(SetupError, match="checksum mismatch"):
+        sdist.fetch_sdist(wrong)
     assert not any((tmp_path / "cache" / "dl").glob("*.tar.gz"))
 
 
@@ -74,7 +76,7 @@ def test_tracked_files_hold_no_upstream_source():
     assert not [f for f in files if f.endswith(upstream_markers)]
 
 
-@pytest.mark.parametrize("program", [t for t in build.TARGETS if not t.startswith(("ggml", "llama", "mtmd", "rq-"))
+@pytest.mark.parametrize("program", [t for t in cmake.TARGETS if not t.startswith(("ggml", "llama", "mtmd", "rq-"))
                                      or t.startswith("llama-") or t == "ggml-rpc-server"])
 def test_program_was_built(bin_dir, program):
     assert (bin_dir / program).exists()

@@ -1,0 +1,87 @@
+"""rq-setup: fetch the pinned llama.cpp, apply ggml-patches/, build it, wire Python to it.
+
+Runs with the system Python (stdlib only) before any virtual environment exists:
+
+    python3 -m rotaryquant.build setup        # everything below, idempotent
+    python3 -m rotaryquant.build export-patches   # upstream tree edits -> ggml-patches/*.patch
+
+Every step is skipped when its stamp says it is done; every failure is one line that says
+what failed and how to fix it, and leaves nothing half-done that a re-run would trust.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rotaryquant import assets, paths
+from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, configure_and_build, cuda_cmake_args
+from rotaryquant.build.common import SetupError, log
+from rotaryquant.build.install import install_python
+from rotaryquant.build.patches import apply_patches, export_patches
+from rotaryquant.build.sdist import fetch_sdist, read_lock, unpack
+from rotaryquant.build.tools import check_tools, ensure_ccache
+from rotaryquant.build.venv import ensure_python_deps, ensure_venv, venv_python
+
+
+def cmd_setup(ns: argparse.Namespace) -> None:
+    check_tools()
+    ensure_ccache()
+    ensure_venv()
+    ensure_python_deps()
+    lock = read_lock()
+    sdist = fetch_sdist(lock)
+    unpack(lock, sdist)
+    apply_patches(lock)
+    extra = list(ns.cmake_arg or [])
+    targets = TARGETS
+    if ns.cuda:
+        extra += ["-DGGML_CUDA=ON", *cuda_cmake_args()]
+        targets = TARGETS + CUDA_TARGETS
+    configure_and_build(ns.flavour or ("cuda" if ns.cuda else "cpu"), extra, ns.jobs, targets)
+    install_python(ns.flavour or ("cuda" if ns.cuda else "cpu"))
+    if not ns.no_assets:
+        assets.ensure_default_assets(python=str(venv_python()))
+    log("ready")
+
+
+def cmd_patch(ns: argparse.Namespace) -> None:
+    check_tools()
+    ensure_venv()
+    ensure_python_deps()
+    lock = read_lock()
+    unpack(lock, fetch_sdist(lock))
+    apply_patches(lock)
+    log(f"patched tree: {paths.src_root()}")
+
+
+def cmd_export(ns: argparse.Namespace) -> None:
+    export_patches()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rq-setup", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("setup", help="venv, fetch, patch, build, install (idempotent)")
+    s.add_argument("--cuda", action="store_true", help="also build the CUDA backend (-DGGML_CUDA=ON)")
+    s.add_argument("--flavour", help="build folder name under build/ (default: cpu, or cuda with --cuda)")
+    s.add_argument("--cmake-arg", action="append", help="extra CMake argument (repeatable)")
+    s.add_argument("-j", "--jobs", type=int, help="parallel build jobs (default: all cores)")
+    s.add_argument("--no-assets", action="store_true", help="skip the default model and text")
+    s.set_defaults(fn=cmd_setup)
+    p = sub.add_parser("patch", help="fetch the sdist and apply ggml-patches/ (no build)")
+    p.set_defaults(fn=cmd_patch)
+    e = sub.add_parser("export-patches", help="write the upstream tree's commits since `pristine` "
+                                              "back to ggml-patches/*.patch")
+    e.set_defaults(fn=cmd_export)
+    ns = ap.parse_args(argv)
+    try:
+        ns.fn(ns)
+    except SetupError as e:
+        print(f"rq-setup: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("rq-setup: interrupted", file=sys.stderr)
+        return 130
+    return 0

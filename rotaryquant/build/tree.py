@@ -1,0 +1,38 @@
+"""The unpacked upstream tree (build/src/llama-cpp-python, a git repo tagged ``pristine``): its state
+stamp, whether it carries edits not yet exported, and the links that put our sources into it."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from rotaryquant import paths
+from rotaryquant.build.common import PATCH_DIR, git
+
+# Our sources, linked into the upstream tree (link path relative to the sdist root -> repo path).
+LINKS = {
+    "vendor/llama.cpp/ggml/src/ggml-rq": PATCH_DIR / "src",
+    "vendor/llama.cpp/ggml/include/ggml-rq.h": PATCH_DIR / "include" / "ggml-rq.h",
+}
+
+
+def tree_state_path() -> Path:
+    return paths.src_root().parent / ".rq-tree.json"
+
+
+def tree_has_local_edits(root: Path, head: str | None) -> bool:
+    dirty = git(root, "status", "--porcelain", "--untracked-files=no")
+    return bool(dirty) or git(root, "rev-parse", "HEAD") != head
+
+
+def link_sources() -> None:
+    root = paths.src_root()
+    for rel, target in LINKS.items():
+        link = root / rel
+        if link.is_symlink() and link.resolve() == target.resolve():
+            continue
+        if link.is_symlink() or link.is_file():
+            link.unlink()
+        elif link.exists():
+            shutil.rmtree(link)
+        link.symlink_to(target)
