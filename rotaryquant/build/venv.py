@@ -29,9 +29,21 @@ def ensure_venv() -> None:
     run([sys.executable, "-m", "venv", str(tmp)], what="creating the virtual environment",
         fix="install Python's venv module (Debian: apt-get install python3-venv)", quiet=True)
     tmp.rename(paths.venv_dir())
-    # the venv's scripts hard-code the temporary path; recreate them at the final path
+    # the venv's scripts hard-code the temporary path: --upgrade rewrites the activate scripts, not
+    # the shebangs of the scripts ensurepip installed (pip, pip3, ...), so those are fixed here
     run([sys.executable, "-m", "venv", "--upgrade", str(paths.venv_dir())],
         what="finalising the virtual environment", fix="remove .venv and re-run", quiet=True)
+    fix_shebangs(paths.venv_dir() / "bin", f"#!{tmp}/", f"#!{paths.venv_dir()}/")
+
+
+def fix_shebangs(bin_dir: Path, old: str, new: str) -> None:
+    for f in bin_dir.iterdir():
+        if f.is_symlink() or not f.is_file():
+            continue
+        with f.open("rb") as fh:
+            head = fh.read(len(old))
+        if head == old.encode():
+            f.write_bytes(new.encode() + f.read_bytes()[len(old):])
 
 
 def pyproject_requirements() -> tuple[list[str], list[str]]:

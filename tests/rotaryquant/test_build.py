@@ -89,3 +89,19 @@ def test_shared_library_was_built(bin_dir, lib):
 
 def test_cuda_is_off_by_default(bin_dir):
     assert not (bin_dir / "libggml-cuda.so").exists()
+
+
+def test_fresh_venv_scripts_run_from_their_final_path(tmp_path, monkeypatch):
+    """The venv is made under .tmp and renamed: no script may keep the temporary path (pip did)."""
+    from rotaryquant.build import venv
+
+    final = tmp_path / "v"
+    monkeypatch.setattr(paths, "venv_dir", lambda: final)
+    venv.ensure_venv()
+    assert not (tmp_path / "v.tmp").exists()
+    scripts = [f for f in (final / "bin").iterdir() if f.is_file() and not f.is_symlink()]
+    shebangs = {f.name: f.read_bytes().split(b"\n", 1)[0] for f in scripts if f.read_bytes()[:2] == b"#!"}
+    assert "pip" in shebangs
+    assert all(b".tmp" not in s for s in shebangs.values()), shebangs
+    proc = subprocess.run([str(final / "bin" / "pip"), "--version"], capture_output=True, text=True)
+    assert proc.returncode == 0 and str(final) in proc.stdout, proc.stderr
