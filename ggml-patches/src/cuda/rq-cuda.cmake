@@ -8,6 +8,7 @@ set(RQ_SRC_DIR  ${RQ_CUDA_DIR}/..)
 target_sources(ggml-cuda PRIVATE
     ${RQ_CUDA_DIR}/rq-cuda.cuh
     ${RQ_CUDA_DIR}/rq-device.cuh
+    ${RQ_CUDA_DIR}/rq-dequant.cuh
     ${RQ_CUDA_DIR}/rq-cuda.cu
     ${RQ_CUDA_DIR}/rq-iso.cu
     ${RQ_CUDA_DIR}/rq-itq3.cu

@@ -83,59 +83,32 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
 // ---------------------------------------------------------------------------------------------
 // dequantisers
 
-to_fp16_cuda_t ggml_rq_get_to_fp16_cuda(ggml_type type) {
+template <typename T>
+static to_t_cuda_t<T> rq_get_to_cuda(const ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<half, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<half, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<half>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<T, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<T, 4>;
+        case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<T>;
         default:                    return nullptr;
     }
 }
 
-to_fp32_cuda_t ggml_rq_get_to_fp32_cuda(ggml_type type) {
+template <typename T>
+static to_t_nc_cuda_t<T> rq_get_to_nc_cuda(const ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<float, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<float, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<float>;
+        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<T, 3>;
+        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<T, 4>;
+        case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<T>;
         default:                    return nullptr;
     }
 }
 
-to_bf16_cuda_t ggml_rq_get_to_bf16_cuda(ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<nv_bfloat16, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<nv_bfloat16, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<nv_bfloat16>;
-        default:                    return nullptr;
-    }
-}
-
-to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<half, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<half, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<half>;
-        default:                    return nullptr;
-    }
-}
-
-to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<float, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<float, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<float>;
-        default:                    return nullptr;
-    }
-}
-
-to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type) {
-    switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<nv_bfloat16, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<nv_bfloat16, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<nv_bfloat16>;
-        default:                    return nullptr;
-    }
-}
+to_fp16_cuda_t    ggml_rq_get_to_fp16_cuda   (ggml_type type) { return rq_get_to_cuda<half>(type); }
+to_fp32_cuda_t    ggml_rq_get_to_fp32_cuda   (ggml_type type) { return rq_get_to_cuda<float>(type); }
+to_bf16_cuda_t    ggml_rq_get_to_bf16_cuda   (ggml_type type) { return rq_get_to_cuda<nv_bfloat16>(type); }
+to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type) { return rq_get_to_nc_cuda<half>(type); }
+to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type) { return rq_get_to_nc_cuda<float>(type); }
+to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type) { return rq_get_to_nc_cuda<nv_bfloat16>(type); }
 
 // ---------------------------------------------------------------------------------------------
 // SET_ROWS, CPY, GET_ROWS
@@ -148,20 +121,12 @@ void ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 static __global__ void k_rq_cpy_blocks(const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nblocks, const int bs,
         const int64_t nb_0, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
         const int64_t nb_1, const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12, const int64_t nb13) {
-    const int64_t i = (int64_t) blockIdx.x*blockDim.y + threadIdx.y; // one warp per block
+    const int64_t i = rq_warp_id(); // one warp per block
     if (i >= nblocks) {
         return;
     }
-    int64_t t = i;
-    const int64_t i00 = t % nb_0; t /= nb_0;
-    const int64_t i01 = t % ne01; t /= ne01;
-    const int64_t i02 = t % ne02;
-    const int64_t i03 = t / ne02;
-    t = i;
-    const int64_t i10 = t % nb_1; t /= nb_1;
-    const int64_t i11 = t % ne11; t /= ne11;
-    const int64_t i12 = t % ne12;
-    const int64_t i13 = t / ne12;
+    const auto [i00, i01, i02, i03] = rq_unravel(i, nb_0, ne01, ne02);
+    const auto [i10, i11, i12, i13] = rq_unravel(i, nb_1, ne11, ne12);
 
     const char * x = cx   + i00*nb00 + i01*nb01 + i02*nb02 + i03*nb03;
     char       * y = cdst + i10*nb10 + i11*nb11 + i12*nb12 + i13*nb13;

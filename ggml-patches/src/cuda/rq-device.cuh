@@ -31,34 +31,44 @@ static __device__ __forceinline__ int rq_lane() {
     return threadIdx.x % WARP_SIZE;
 }
 
-// ---------------------------------------------------------------------------------------------
-// ISOQUANT3_0 rotation R = SO4 o WHT o diag(S) (variant v3; v2/v1/none are research switches)
-
-static __device__ __forceinline__ void rq_iso_wht_warp(float v[4]) {
+// normalised WHT of the warp's 32*NV values (lane l holds NV*l .. NV*l + NV-1): butterflies of length
+// 1 .. NV/2 in the lane, NV .. 16*NV across lanes (element e of the lower lane pairs with e of lane ^ m;
+// lower a + b, upper a - b), then v *= scale. The order of isoquant.c's iq3_fwht / itq3.c's ggml_rq_fwht256.
+template <int NV>
+static __device__ __forceinline__ void rq_wht_warp(float v[NV], const float scale) {
     const int lane = rq_lane();
-    // len 1: (0,1), (2,3); len 2: (0,2), (1,3)
-    const float a0 = __fadd_rn(v[0], v[1]);
-    const float a1 = __fsub_rn(v[0], v[1]);
-    const float a2 = __fadd_rn(v[2], v[3]);
-    const float a3 = __fsub_rn(v[2], v[3]);
-    v[0] = __fadd_rn(a0, a2);
-    v[2] = __fsub_rn(a0, a2);
-    v[1] = __fadd_rn(a1, a3);
-    v[3] = __fsub_rn(a1, a3);
-    // len 4, 8, ..., 64: element j of the lower lane pairs with j of lane ^ m; lower: a + b, upper: a - b
+#pragma unroll
+    for (int h = 1; h < NV; h <<= 1) {
+#pragma unroll
+        for (int e = 0; e < NV; ++e) {
+            if ((e & h) == 0) {
+                const float a = v[e];
+                const float b = v[e + h];
+                v[e]     = __fadd_rn(a, b);
+                v[e + h] = __fsub_rn(a, b);
+            }
+        }
+    }
 #pragma unroll
     for (int m = 1; m < WARP_SIZE; m <<= 1) {
         const bool upper = lane & m;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < NV; ++e) {
             const float p = __shfl_xor_sync(RQ_FULL_MASK, v[e], m);
             v[e] = upper ? __fsub_rn(p, v[e]) : __fadd_rn(v[e], p);
         }
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        v[e] = __fmul_rn(v[e], iq3_wht_scale);
+    for (int e = 0; e < NV; ++e) {
+        v[e] = __fmul_rn(v[e], scale);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISOQUANT3_0 rotation R = SO4 o WHT o diag(S) (variant v3; v2/v1/none are research switches)
+
+static __device__ __forceinline__ void rq_iso_wht_warp(float v[4]) {
+    rq_wht_warp<4>(v, iq3_wht_scale);
 }
 
 // y = M u (row-major 4x4 of group `lane`), or y = M^T u
@@ -173,32 +183,7 @@ static void rq_iso_with_bits(const ggml_type type, F && f) {
 // ITQ3_S: FWHT256 (normalised, its own inverse), decode of the lane's 8 codes
 
 static __device__ __forceinline__ void rq_fwht256_warp(float v[8]) {
-    const int lane = rq_lane();
-#pragma unroll
-    for (int h = 1; h < 8; h <<= 1) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            if ((e & h) == 0) {
-                const float a = v[e];
-                const float b = v[e + h];
-                v[e]     = __fadd_rn(a, b);
-                v[e + h] = __fsub_rn(a, b);
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 1; m < WARP_SIZE; m <<= 1) {
-        const bool upper = lane & m;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-            const float p = __shfl_xor_sync(RQ_FULL_MASK, v[e], m);
-            v[e] = upper ? __fsub_rn(p, v[e]) : __fadd_rn(v[e], p);
-        }
-    }
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        v[e] = __fmul_rn(v[e], 0.0625f);
-    }
+    rq_wht_warp<8>(v, 0.0625f);
 }
 
 // codes 8l..8l+7 as 8 bytes (values 0..7), little endian in two words. Code i: low 2 bits in

@@ -36,3 +36,22 @@ static inline dim3 rq_warp_grid(int64_t n) {
 static inline dim3 rq_warp_block() {
     return dim3(WARP_SIZE, RQ_WARPS_PER_BLOCK, 1);
 }
+
+// in such a kernel: the warp's index in the grid
+static __device__ __forceinline__ int64_t rq_warp_id() {
+    return (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
+}
+
+// i = ((i3*n2 + i2)*n1 + i1)*n0 + i0 -> { i0, i1, i2, i3 } (i3 unbounded)
+struct rq_idx4 {
+    int64_t i0, i1, i2, i3;
+};
+
+static __device__ __forceinline__ rq_idx4 rq_unravel(int64_t i, const int64_t n0, const int64_t n1, const int64_t n2) {
+    rq_idx4 r;
+    r.i0 = i % n0; i /= n0;
+    r.i1 = i % n1; i /= n1;
+    r.i2 = i % n2;
+    r.i3 = i / n2;
+    return r;
+}

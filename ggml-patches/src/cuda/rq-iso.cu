@@ -9,7 +9,7 @@
 // so CPY ISO->F16 equals the CPU's cast bit for bit (both round float -> half to nearest even).
 
 #include "rq-impl.cuh"
-#include "rq-device.cuh"
+#include "rq-dequant.cuh"
 
 // sum of the 128 values a[] (4 per lane) as isoquant.c's tree: a[i] += a[i + s] for s = 64 ... 1.
 // s = 64 ... 4 pair lane l with l ^ (s/4); s = 2, 1 stay in lane 0. Returns the sum in every lane.
@@ -75,10 +75,6 @@ static __device__ __forceinline__ void rq_iso_quantize_warp(const float x[4], ty
     }
 }
 
-static __device__ __forceinline__ int64_t rq_warp_id() {
-    return (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
-}
-
 // ---------------------------------------------------------------------------------------------
 // kernels
 
@@ -93,11 +89,7 @@ static __global__ void k_iso_set_rows(
     if (w >= nw) {
         return;
     }
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i01 = t % ne01; t /= ne01;
-    const int64_t i02 = t % ne02;
-    const int64_t i03 = t / ne02;
+    const auto [ib, i01, i02, i03] = rq_unravel(w, nblk, ne01, ne02);
 
     const int64_t i11 = i02 % ne11;
     const int64_t i12 = i03 % ne12;
@@ -109,134 +101,37 @@ static __global__ void k_iso_set_rows(
     rq_iso_quantize_warp<BITS>(v, y, variant);
 }
 
-// ggml_cpy F32 -> ISO: element order of the flattened tensors, one 128-block per warp (the rows of
-// both tensors hold whole blocks)
-template <int BITS>
-static __global__ void k_iso_cpy_f32_iso(
+// ggml_cpy F32 -> ISO (dst_t = the block: quantise) or ISO -> F32/F16 (dequantise): element order of the
+// flattened tensors, one 128-block per warp (the rows of both tensors hold whole blocks)
+template <int BITS, typename dst_t>
+static __global__ void k_iso_cpy(
         const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
         const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
         const int64_t ne10, const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12, const int64_t nb13,
         const int variant) {
+    using block = typename rq_iso_fmt<BITS>::block;
     const int64_t w = rq_warp_id();
     if (w >= nw) {
         return;
     }
-    const int64_t i = w*QK_ISO;
-
-    const int64_t i03 = i/(ne00*ne01*ne02);
-    const int64_t i02 = (i - i03*ne00*ne01*ne02)/(ne00*ne01);
-    const int64_t i01 = (i - i03*ne00*ne01*ne02 - i02*ne00*ne01)/ne00;
-    const int64_t i00 = i - i03*ne00*ne01*ne02 - i02*ne00*ne01 - i01*ne00;
-
-    const int64_t i13 = i/(ne10*ne11*ne12);
-    const int64_t i12 = (i - i13*ne10*ne11*ne12)/(ne10*ne11);
-    const int64_t i11 = (i - i13*ne10*ne11*ne12 - i12*ne10*ne11)/ne10;
-    const int64_t i10 = i - i13*ne10*ne11*ne12 - i12*ne10*ne11 - i11*ne10;
-
-    const char * x = cx + (i00 + 4*rq_lane())*nb00 + i01*nb01 + i02*nb02 + i03*nb03;
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        v[e] = *(const float *) (x + e*nb00);
-    }
-    rq_iso_quantize_warp<BITS>(v, (typename rq_iso_fmt<BITS>::block *) (cdst + (i10/QK_ISO)*nb10 + i11*nb11 + i12*nb12 + i13*nb13), variant);
-}
-
-template <typename dst_t, int BITS>
-static __global__ void k_iso_cpy_iso_f(
-        const char * __restrict__ cx, char * __restrict__ cdst, const int64_t nw,
-        const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t nb00, const int64_t nb01, const int64_t nb02, const int64_t nb03,
-        const int64_t ne10, const int64_t ne11, const int64_t ne12, const int64_t nb10, const int64_t nb11, const int64_t nb12, const int64_t nb13,
-        const int variant) {
-    const int64_t w = rq_warp_id();
-    if (w >= nw) {
-        return;
-    }
-    const int64_t i = w*QK_ISO;
-
-    const int64_t i03 = i/(ne00*ne01*ne02);
-    const int64_t i02 = (i - i03*ne00*ne01*ne02)/(ne00*ne01);
-    const int64_t i01 = (i - i03*ne00*ne01*ne02 - i02*ne00*ne01)/ne00;
-    const int64_t i00 = i - i03*ne00*ne01*ne02 - i02*ne00*ne01 - i01*ne00;
-
-    const int64_t i13 = i/(ne10*ne11*ne12);
-    const int64_t i12 = (i - i13*ne10*ne11*ne12)/(ne10*ne11);
-    const int64_t i11 = (i - i13*ne10*ne11*ne12 - i12*ne10*ne11)/ne10;
-    const int64_t i10 = i - i13*ne10*ne11*ne12 - i12*ne10*ne11 - i11*ne10;
+    const auto [i00, i01, i02, i03] = rq_unravel(w*QK_ISO, ne00, ne01, ne02);
+    const auto [i10, i11, i12, i13] = rq_unravel(w*QK_ISO, ne10, ne11, ne12);
 
     float v[4];
-    rq_iso_dequant_warp<BITS>((const typename rq_iso_fmt<BITS>::block *) (cx + (i00/QK_ISO)*nb00 + i01*nb01 + i02*nb02 + i03*nb03), v, variant);
-
-    char * y = cdst + (i10 + 4*rq_lane())*nb10 + i11*nb11 + i12*nb12 + i13*nb13;
+    if constexpr (std::is_same_v<dst_t, block>) {
+        const char * x = cx + (i00 + 4*rq_lane())*nb00 + i01*nb01 + i02*nb02 + i03*nb03;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        *(dst_t *) (y + e*nb10) = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
-
-template <typename dst_t, int BITS>
-static __global__ void k_iso_to(const typename rq_iso_fmt<BITS>::block * __restrict__ x, dst_t * __restrict__ y, const int64_t nb, const int variant) {
-    const int64_t ib = rq_warp_id();
-    if (ib >= nb) {
-        return;
-    }
-    float v[4];
-    rq_iso_dequant_warp<BITS>(x + ib, v, variant);
-    dst_t * yb = y + ib*QK_ISO + 4*rq_lane();
+        for (int e = 0; e < 4; ++e) {
+            v[e] = *(const float *) (x + e*nb00);
+        }
+        rq_iso_quantize_warp<BITS>(v, (block *) (cdst + (i10/QK_ISO)*nb10 + i11*nb11 + i12*nb12 + i13*nb13), variant);
+    } else {
+        rq_iso_dequant_warp<BITS>((const block *) (cx + (i00/QK_ISO)*nb00 + i01*nb01 + i02*nb02 + i03*nb03), v, variant);
+        char * y = cdst + (i10 + 4*rq_lane())*nb10 + i11*nb11 + i12*nb12 + i13*nb13;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
-
-// strided source (strides in blocks), contiguous destination
-template <typename dst_t, int BITS>
-static __global__ void k_iso_to_nc(const typename rq_iso_fmt<BITS>::block * __restrict__ x, dst_t * __restrict__ y, const int64_t nw,
-        const int64_t nblk, const int64_t ne01, const int64_t ne02,
-        const int64_t s01, const int64_t s02, const int64_t s03, const int variant) {
-    const int64_t w = rq_warp_id();
-    if (w >= nw) {
-        return;
-    }
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i01 = t % ne01; t /= ne01;
-    const int64_t i02 = t % ne02;
-    const int64_t i03 = t / ne02;
-
-    float v[4];
-    rq_iso_dequant_warp<BITS>(x + i03*s03 + i02*s02 + i01*s01 + ib, v, variant);
-    dst_t * yb = y + (((i03*ne02 + i02)*ne01 + i01)*nblk + ib)*QK_ISO + 4*rq_lane();
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
-
-template <typename dst_t, int BITS>
-static __global__ void k_iso_get_rows(
-        const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
-        const int64_t nblk, const int64_t ne10, const int64_t ne11,
-        const size_t nb01, const size_t nb02, const size_t nb03, const size_t nb10, const size_t nb11, const size_t nb12,
-        const size_t nb1, const size_t nb2, const size_t nb3, const int variant) {
-    const int64_t w = rq_warp_id();
-    if (w >= nw) {
-        return;
-    }
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i10 = t % ne10; t /= ne10;
-    const int64_t i11 = t % ne11;
-    const int64_t i12 = t / ne11;
-
-    const int64_t i01 = *(const int32_t *) (src1 + i10*nb10 + i11*nb11 + i12*nb12);
-
-    float v[4];
-    rq_iso_dequant_warp<BITS>((const typename rq_iso_fmt<BITS>::block *) (src0 + i01*nb01 + i11*nb02 + i12*nb03) + ib, v, variant);
-    dst_t * yb = (dst_t *) (dst + i10*nb1 + i11*nb2 + i12*nb3) + ib*QK_ISO + 4*rq_lane();
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
+        for (int e = 0; e < 4; ++e) {
+            *(dst_t *) (y + e*nb10) = ggml_cuda_cast<dst_t>(v[e]);
+        }
     }
 }
 
@@ -249,26 +144,14 @@ static int rq_iso_variant() {
 
 template <typename T, int BITS>
 void rq_iso_to_cuda(const void * x, T * y, const int64_t k, cudaStream_t stream) {
-    GGML_ASSERT(k % QK_ISO == 0);
-    const int64_t nb = k / QK_ISO;
-    if (nb == 0) {
-        return;
-    }
-    k_iso_to<T, BITS><<<rq_warp_grid(nb), rq_warp_block(), 0, stream>>>((const typename rq_iso_fmt<BITS>::block *) x, y, nb, rq_iso_variant());
+    const int64_t nb = rq_to_cuda<rq_iso_deq<BITS>>(x, y, k, rq_iso_variant(), stream);
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
 }
 
 template <typename T, int BITS>
 void rq_iso_to_nc_cuda(const void * x, T * y, const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t ne03,
                        const int64_t s01, const int64_t s02, const int64_t s03, cudaStream_t stream) {
-    GGML_ASSERT(ne00 % QK_ISO == 0);
-    const int64_t nblk = ne00 / QK_ISO;
-    const int64_t nw   = nblk*ne01*ne02*ne03;
-    if (nw == 0) {
-        return;
-    }
-    k_iso_to_nc<T, BITS><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(
-        (const typename rq_iso_fmt<BITS>::block *) x, y, nw, nblk, ne01, ne02, s01, s02, s03, rq_iso_variant());
+    const int64_t nw = rq_to_nc_cuda<rq_iso_deq<BITS>>(x, y, ne00, ne01, ne02, ne03, s01, s02, s03, rq_iso_variant(), stream);
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
 }
 
@@ -331,18 +214,16 @@ void rq_iso_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_
 
     if (src0->type == GGML_TYPE_F32 && ggml_rq_type_is_iso(src1->type)) {
         rq_iso_with_bits(src1->type, [&](auto bits) {
-            k_iso_cpy_f32_iso<decltype(bits)::value><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
+            constexpr int B = decltype(bits)::value;
+            k_iso_cpy<B, typename rq_iso_fmt<B>::block><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
         });
         ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nw);
     } else if (ggml_rq_type_is_iso(src0->type) && (src1->type == GGML_TYPE_F32 || src1->type == GGML_TYPE_F16)) {
         const bool f32 = src1->type == GGML_TYPE_F32;
         rq_iso_with_bits(src0->type, [&](auto bits) {
             constexpr int B = decltype(bits)::value;
-            if (f32) {
-                k_iso_cpy_iso_f<float, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
-            } else {
-                k_iso_cpy_iso_f<half, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
-            }
+            auto kernel = f32 ? k_iso_cpy<B, float> : k_iso_cpy<B, half>;
+            kernel<<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_CPY_ARGS);
         });
         ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
     } else {
@@ -355,32 +236,9 @@ void rq_iso_get_rows(const void * src0_d, ggml_type src0_type, const int32_t * s
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
         size_t nb1, size_t nb2, size_t nb3, cudaStream_t stream) {
-    GGML_ASSERT(ne00 % QK_ISO == 0);
-    const int64_t nblk = ne00 / QK_ISO;
-    const int64_t nw   = nblk*ne10*ne11*ne12;
-    if (nw == 0) {
-        return;
-    }
-
-#define RQ_GET_ROWS_ARGS (const char *) src0_d, (const char *) src1_d, (char *) dst_d, nw, nblk, ne10, ne11, \
-    nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant()
-
     rq_iso_with_bits(src0_type, [&](auto bits) {
-        constexpr int B = decltype(bits)::value;
-        switch (dst_type) {
-            case GGML_TYPE_F32:
-                k_iso_get_rows<float, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-                break;
-            case GGML_TYPE_F16:
-                k_iso_get_rows<half, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-                break;
-            case GGML_TYPE_BF16:
-                k_iso_get_rows<nv_bfloat16, B><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-                break;
-            default:
-                GGML_ABORT("%s: unsupported dst type %s", __func__, ggml_type_name(dst_type));
-        }
+        const int64_t nw = rq_get_rows_cuda<rq_iso_deq<decltype(bits)::value>>(src0_d, src1_d, dst_d, dst_type,
+            ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, rq_iso_variant(), stream);
+        ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
     });
-#undef RQ_GET_ROWS_ARGS
-    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nw);
 }

@@ -10,7 +10,7 @@
 // Larger batches (prefill) take upstream's cuBLAS path: to_fp16 (inverse FWHT per block) + GEMM.
 
 #include "rq-impl.cuh"
-#include "rq-device.cuh"
+#include "rq-dequant.cuh"
 #include "ggml-cuda/mmvq.cuh"
 
 // rotated activations of one 256-block
@@ -21,96 +21,18 @@ struct block_q8_itq {
 };
 static_assert(sizeof(block_q8_itq) == 2*sizeof(float) + QK_ITQ, "wrong block_q8_itq size");
 
-static __device__ __forceinline__ int64_t rq_warp_id() {
-    return (int64_t) blockIdx.x*blockDim.y + threadIdx.y;
-}
-
 // ---------------------------------------------------------------------------------------------
-// dequantisation
-
-template <typename dst_t>
-static __global__ void k_itq_to(const block_itq3_s * __restrict__ x, dst_t * __restrict__ y, const int64_t nb) {
-    const int64_t ib = rq_warp_id();
-    if (ib >= nb) {
-        return;
-    }
-    float v[8];
-    rq_itq_dequant_warp(x + ib, v);
-    dst_t * yb = y + ib*QK_ITQ + 8*rq_lane();
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
-
-template <typename dst_t>
-static __global__ void k_itq_to_nc(const block_itq3_s * __restrict__ x, dst_t * __restrict__ y, const int64_t nw,
-        const int64_t nblk, const int64_t ne01, const int64_t ne02,
-        const int64_t s01, const int64_t s02, const int64_t s03) {
-    const int64_t w = rq_warp_id();
-    if (w >= nw) {
-        return;
-    }
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i01 = t % ne01; t /= ne01;
-    const int64_t i02 = t % ne02;
-    const int64_t i03 = t / ne02;
-
-    float v[8];
-    rq_itq_dequant_warp(x + i03*s03 + i02*s02 + i01*s01 + ib, v);
-    dst_t * yb = y + (((i03*ne02 + i02)*ne01 + i01)*nblk + ib)*QK_ITQ + 8*rq_lane();
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
-
-template <typename dst_t>
-static __global__ void k_itq_get_rows(
-        const char * __restrict__ src0, const char * __restrict__ src1, char * __restrict__ dst, const int64_t nw,
-        const int64_t nblk, const int64_t ne10, const int64_t ne11,
-        const size_t nb01, const size_t nb02, const size_t nb03, const size_t nb10, const size_t nb11, const size_t nb12,
-        const size_t nb1, const size_t nb2, const size_t nb3) {
-    const int64_t w = rq_warp_id();
-    if (w >= nw) {
-        return;
-    }
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i10 = t % ne10; t /= ne10;
-    const int64_t i11 = t % ne11;
-    const int64_t i12 = t / ne11;
-
-    const int64_t i01 = *(const int32_t *) (src1 + i10*nb10 + i11*nb11 + i12*nb12);
-
-    float v[8];
-    rq_itq_dequant_warp((const block_itq3_s *) (src0 + i01*nb01 + i11*nb02 + i12*nb03) + ib, v);
-    dst_t * yb = (dst_t *) (dst + i10*nb1 + i11*nb2 + i12*nb3) + ib*QK_ITQ + 8*rq_lane();
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-        yb[e] = ggml_cuda_cast<dst_t>(v[e]);
-    }
-}
+// dequantisation (kernels in rq-dequant.cuh)
 
 template <typename T>
 void rq_itq_to_cuda(const void * x, T * y, const int64_t k, cudaStream_t stream) {
-    GGML_ASSERT(k % QK_ITQ == 0);
-    const int64_t nb = k / QK_ITQ;
-    if (nb > 0) {
-        k_itq_to<T><<<rq_warp_grid(nb), rq_warp_block(), 0, stream>>>((const block_itq3_s *) x, y, nb);
-    }
+    rq_to_cuda<rq_itq_deq>(x, y, k, 0, stream);
 }
 
 template <typename T>
 void rq_itq_to_nc_cuda(const void * x, T * y, const int64_t ne00, const int64_t ne01, const int64_t ne02, const int64_t ne03,
                        const int64_t s01, const int64_t s02, const int64_t s03, cudaStream_t stream) {
-    GGML_ASSERT(ne00 % QK_ITQ == 0);
-    const int64_t nblk = ne00 / QK_ITQ;
-    const int64_t nw   = nblk*ne01*ne02*ne03;
-    if (nw > 0) {
-        k_itq_to_nc<T><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>((const block_itq3_s *) x, y, nw, nblk, ne01, ne02, s01, s02, s03);
-    }
+    rq_to_nc_cuda<rq_itq_deq>(x, y, ne00, ne01, ne02, ne03, s01, s02, s03, 0, stream);
 }
 
 template void rq_itq_to_cuda<float>      (const void *, float *,       int64_t, cudaStream_t);
@@ -124,30 +46,8 @@ void rq_itq_get_rows(const void * src0_d, const int32_t * src1_d, void * dst_d, 
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
         size_t nb1, size_t nb2, size_t nb3, cudaStream_t stream) {
-    GGML_ASSERT(ne00 % QK_ITQ == 0);
-    const int64_t nblk = ne00 / QK_ITQ;
-    const int64_t nw   = nblk*ne10*ne11*ne12;
-    if (nw == 0) {
-        return;
-    }
-
-#define RQ_GET_ROWS_ARGS (const char *) src0_d, (const char *) src1_d, (char *) dst_d, nw, nblk, ne10, ne11, \
-    nb01, nb02, nb03, nb10, nb11, nb12, nb1, nb2, nb3
-
-    switch (dst_type) {
-        case GGML_TYPE_F32:
-            k_itq_get_rows<float><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        case GGML_TYPE_F16:
-            k_itq_get_rows<half><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        case GGML_TYPE_BF16:
-            k_itq_get_rows<nv_bfloat16><<<rq_warp_grid(nw), rq_warp_block(), 0, stream>>>(RQ_GET_ROWS_ARGS);
-            break;
-        default:
-            GGML_ABORT("%s: unsupported dst type %s", __func__, ggml_type_name(dst_type));
-    }
-#undef RQ_GET_ROWS_ARGS
+    rq_get_rows_cuda<rq_itq_deq>(src0_d, src1_d, dst_d, dst_type,
+        ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, 0, stream);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -162,11 +62,7 @@ static __global__ void k_itq_quantize_act(const char * __restrict__ x, block_q8_
         return;
     }
     const int lane = rq_lane();
-    int64_t t = w;
-    const int64_t ib  = t % nblk; t /= nblk;
-    const int64_t i11 = t % ne11; t /= ne11;
-    const int64_t i12 = t % ne12;
-    const int64_t i13 = t / ne12;
+    const auto [ib, i11, i12, i13] = rq_unravel(w, nblk, ne11, ne12);
 
     const float * xb = (const float *) (x + i11*nb11 + i12*nb12 + i13*nb13) + ib*QK_ITQ + 8*lane;
     float v[8];
