@@ -205,19 +205,7 @@ const float * ggml_rq_iso_codebook_bits(int bits) {
 // the rotation R = SO4 o WHT (variant v3), exact operation order shared with numpy
 
 static void iq3_fwht(float * v) {
-    for (int len = 1; len < QK_ISO; len <<= 1) {
-        for (int i = 0; i < QK_ISO; i += 2*len) {
-            for (int j = i; j < i + len; ++j) {
-                const float a = v[j];
-                const float b = v[j + len];
-                v[j]       = a + b;
-                v[j + len] = a - b;
-            }
-        }
-    }
-    for (int i = 0; i < QK_ISO; ++i) {
-        v[i] *= iq3_wht_scale;
-    }
+    ggml_rq_wht(v, QK_ISO, iq3_wht_scale);
 }
 
 // y = M u per group of 4 (M row-major), or y = M^T u with transpose

@@ -30,19 +30,7 @@
 static const int itq3_thr2[7] = { -206, -124, -59, 0, 59, 124, 206 };
 
 void ggml_rq_fwht256(float * GGML_RESTRICT v) {
-    for (int h = 1; h < QK_ITQ; h <<= 1) {
-        for (int i = 0; i < QK_ITQ; i += 2*h) {
-            for (int j = i; j < i + h; ++j) {
-                const float a = v[j];
-                const float b = v[j + h];
-                v[j]     = a + b;
-                v[j + h] = a - b;
-            }
-        }
-    }
-    for (int i = 0; i < QK_ITQ; ++i) {
-        v[i] *= 0.0625f;
-    }
+    ggml_rq_wht(v, QK_ITQ, 0.0625f);
 }
 
 // pairwise sum over 256 values in a fixed order (a scratch copy is summed)

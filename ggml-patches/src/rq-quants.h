@@ -31,6 +31,24 @@ GGML_API size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RES
 
 GGML_API void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k);
 
+// the Walsh-Hadamard transform of n = 2^k values in place, then v *= scale (1/sqrt(n): its own inverse);
+// isoquant.c (n = 128) and itq3.c (n = 256). The numpy references and rq_wht_warp (CUDA) keep this order.
+static inline void ggml_rq_wht(float * GGML_RESTRICT v, const int n, const float scale) {
+    for (int h = 1; h < n; h <<= 1) {
+        for (int i = 0; i < n; i += 2*h) {
+            for (int j = i; j < i + h; ++j) {
+                const float a = v[j];
+                const float b = v[j + h];
+                v[j]     = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+    for (int i = 0; i < n; ++i) {
+        v[i] *= scale;
+    }
+}
+
 // the normalised 256-point Walsh-Hadamard transform in place (its own inverse)
 GGML_API void ggml_rq_fwht256(float * GGML_RESTRICT x);
 
