@@ -113,8 +113,12 @@ to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type) { return rq_get_to
 // ---------------------------------------------------------------------------------------------
 // SET_ROWS, CPY, GET_ROWS
 
-void ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+bool ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    if (!ggml_rq_type_is_iso(dst->type)) {
+        return false;
+    }
     rq_iso_set_rows(ctx, dst);
+    return true;
 }
 
 // same-type copy between non-contiguous tensors: whole blocks, flattened block order
@@ -159,7 +163,7 @@ bool ggml_rq_cuda_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0,
     return true;
 }
 
-void ggml_rq_cuda_get_rows(
+bool ggml_rq_cuda_get_rows(
         const void * src0_d, ggml_type src0_type, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
@@ -174,6 +178,7 @@ void ggml_rq_cuda_get_rows(
             rq_itq_get_rows(src0_d, src1_d, dst_d, dst_type, ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, stream);
             break;
         default:
-            GGML_ABORT("%s: unsupported src0 type %s", __func__, ggml_type_name(src0_type));
+            return false;
     }
+    return true;
 }

@@ -13,8 +13,8 @@
 // op support for anything that touches our types: 1 supported, 0 not, -1 not ours (ask upstream)
 int ggml_rq_cuda_supports_op(const ggml_tensor * op);
 
-// dequantisers for the upstream getters (convert.cu); nullptr for other types. Each call adds the
-// IsoQuant blocks it reconstructs to GGML_RQ_ISO_DEQUANT_ROWS (host side).
+// dequantisers for the upstream getters (convert.cu): nullptr for a type not ours (ask upstream). Each
+// call adds the IsoQuant blocks it reconstructs to GGML_RQ_ISO_DEQUANT_ROWS (host side).
 to_fp16_cuda_t    ggml_rq_get_to_fp16_cuda   (ggml_type type);
 to_fp32_cuda_t    ggml_rq_get_to_fp32_cuda   (ggml_type type);
 to_bf16_cuda_t    ggml_rq_get_to_bf16_cuda   (ggml_type type);
@@ -22,15 +22,15 @@ to_fp16_nc_cuda_t ggml_rq_get_to_fp16_nc_cuda(ggml_type type);
 to_fp32_nc_cuda_t ggml_rq_get_to_fp32_nc_cuda(ggml_type type);
 to_bf16_nc_cuda_t ggml_rq_get_to_bf16_nc_cuda(ggml_type type);
 
-// SET_ROWS into an ISOQUANT3_0/4_0 tensor (F32 source rows)
-void ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+// SET_ROWS into an ISOQUANT3_0/4_0 tensor (F32 source rows); false: not ours
+bool ggml_rq_cuda_set_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 
 // CPY/DUP/CONT with one of our types on either side; false: not ours (same-type contiguous copies
 // are left to upstream's memcpy)
 bool ggml_rq_cuda_cpy(ggml_backend_cuda_context & ctx, const ggml_tensor * src0, ggml_tensor * src1);
 
-// GET_ROWS from ISOQUANT3_0/4_0 / ITQ3_S rows; the signature of upstream's get_rows_cuda
-void ggml_rq_cuda_get_rows(
+// GET_ROWS from ISOQUANT3_0/4_0 / ITQ3_S rows, the arguments of upstream's get_rows_cuda; false: not ours
+bool ggml_rq_cuda_get_rows(
         const void * src0_d, ggml_type src0_type, const int32_t * src1_d, void * dst_d, ggml_type dst_type,
         int64_t ne00, size_t nb01, size_t nb02, size_t nb03,
         int64_t ne10, int64_t ne11, int64_t ne12, size_t nb10, size_t nb11, size_t nb12,
