@@ -97,10 +97,7 @@ static void itq3_quantize_block(const float * GGML_RESTRICT w_in, const float * 
     }
 
     // 1. rotate
-    for (int i = 0; i < QK_ITQ; ++i) {
-        y[i] = w[i] * itq3_signs[i];
-    }
-    ggml_rq_fwht256(y);
+    ggml_rq_itq3_rotate(w, y);
 
     // 2. moments
     for (int i = 0; i < QK_ITQ; ++i) {
@@ -255,15 +252,19 @@ void dequantize_row_itq3_s(const block_itq3_s * GGML_RESTRICT x, float * GGML_RE
     }
 }
 
+void ggml_rq_itq3_rotate(const float * GGML_RESTRICT x, float * GGML_RESTRICT t) {
+    for (int i = 0; i < QK_ITQ; ++i) {
+        t[i] = x[i]*itq3_signs[i];
+    }
+    ggml_rq_fwht256(t);
+}
+
 // Q8_ITQ: rotate each 256-block of an activation row like the weights, then Q8_K
 void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_ITQ == 0);
     float t[QK_ITQ];
     for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
-        for (int i = 0; i < QK_ITQ; ++i) {
-            t[i] = x[ib*QK_ITQ + i]*itq3_signs[i];
-        }
-        ggml_rq_fwht256(t);
+        ggml_rq_itq3_rotate(x + ib*QK_ITQ, t);
         quantize_row_q8_K_ref(t, y + ib, QK_ITQ);
     }
 }

@@ -52,6 +52,9 @@ static inline void ggml_rq_wht(float * GGML_RESTRICT v, const int n, const float
 // the normalised 256-point Walsh-Hadamard transform in place (its own inverse)
 GGML_API void ggml_rq_fwht256(float * GGML_RESTRICT x);
 
+// ITQ3_S's rotation of one 256-block: t = FWHT256(S x) (activations for Q8_ITQ, weights before coding)
+GGML_API void ggml_rq_itq3_rotate(const float * GGML_RESTRICT x, float * GGML_RESTRICT t);
+
 #ifdef __cplusplus
 }
 #endif

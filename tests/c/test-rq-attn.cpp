@@ -187,6 +187,35 @@ int main() {
         CHECK(rel_err(bad, good) < 1e-5, "skip-inverse output is not R*(fused output)");
     }
 
+    // the codebook lookup of every SIMD path, bit for bit: the dot product with a one-hot query is one
+    // codebook value times the block norm, rounded once, whatever the summation order
+    for (ggml_type t : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0}) {
+        const int bits = t == GGML_TYPE_ISOQUANT3_0 ? 3 : 4, n = 2*128;
+        const size_t bs = ggml_row_size(t, 128);
+        const float * cb = ggml_rq_iso_codebook_bits(bits);
+        std::vector<uint8_t> x(2*bs);
+        for (auto & b : x) b = (uint8_t) rng();
+        const ggml_fp16_t d[2] = { ggml_fp32_to_fp16(0.8125f), ggml_fp32_to_fp16(-3.5f) };
+        memcpy(&x[0], &d[0], sizeof(d[0]));
+        memcpy(&x[bs], &d[1], sizeof(d[1]));
+        const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(t)->vec_dot;
+        int n_bad = 0;
+        for (int i = 0; i < n; ++i) {
+            std::vector<float> q(n, 0.0f);
+            q[i] = 1.0f;
+            // index k of group g: bits bits*k.. of the little-endian word at qs[bits*g] (ggml-rq/rq-common.h)
+            const uint8_t * qs = &x[(i/128)*bs + sizeof(ggml_fp16_t)];
+            const int g = (i % 128)/8, k = i % 8;
+            uint32_t w = 0;
+            for (int b = 0; b < bits; ++b) w |= (uint32_t) qs[bits*g + b] << (8*b);
+            const float want = ggml_fp16_to_fp32(d[i/128]) * cb[(w >> (bits*k)) & ((1u << bits) - 1)];
+            float got;
+            vec_dot(n, &got, 0, x.data(), 0, q.data(), 0, 1);
+            n_bad += memcmp(&got, &want, sizeof(got)) != 0;
+        }
+        CHECK(n_bad == 0, "%s vec_dot with one-hot queries: %d of %d lookups not bit-exact", ggml_type_name(t), n_bad, n);
+    }
+
     printf("test-rq-attn: %s (%d failures)\n", n_fail == 0 ? "OK" : "FAILED", n_fail);
     return n_fail == 0 ? 0 : 1;
 }

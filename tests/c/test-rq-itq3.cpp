@@ -87,6 +87,58 @@ int main() {
             CHECK(memcmp(one.data(), fast.data(), fast.size()*sizeof(float)) == 0, "k=%d n=%d: 1 vs 2 threads differ", k, n);
         }
     }
+    // vec_dot's integer part, bit for bit, on every SIMD path: with d = 1, m = 0 (and d = 0, m = 1) and
+    // an activation scale of 1 the result is sum grid[q_i]*y_i (sum y_i), exact in float (< 2^24)
+    {
+        struct q8k { float d; int8_t qs[256]; int16_t bsums[16]; };   // block_q8_K (ggml-common.h)
+        CHECK(sizeof(q8k) == ggml_type_size(GGML_TYPE_Q8_ITQ), "block_q8_K layout changed");
+        const size_t bs = ggml_type_size(GGML_TYPE_ITQ3_S);          // d, m (fp16), qs[64], qh[32]
+        CHECK(bs == 4 + 64 + 32, "block_itq3_s layout changed");
+        // the grid from the reference dequantiser: constant codes q dequantise to S FWHT256(grid[q]),
+        // i.e. 16*grid[q]*s_0 at index 0; d = 0, m = 1 gives 16*s_0
+        auto deq0 = [&](int q, float d, float m) {
+            std::vector<uint8_t> b(bs);
+            const ggml_fp16_t h[2] = { ggml_fp32_to_fp16(d), ggml_fp32_to_fp16(m) };
+            memcpy(b.data(), h, sizeof(h));
+            memset(&b[4], (q & 3)*0x55, 64);
+            memset(&b[68], q & 4 ? 0xff : 0, 32);
+            std::vector<float> v(256);
+            ggml_get_type_traits(GGML_TYPE_ITQ3_S)->to_float(b.data(), v.data(), 256);
+            return v[0];
+        };
+        int grid[8];
+        for (int q = 0; q < 8; ++q) grid[q] = (int) lrintf(deq0(q, 1.0f, 0.0f)/deq0(0, 0.0f, 1.0f));
+        const int nb = 3;
+        std::vector<uint8_t> x(nb*bs);
+        std::vector<q8k> y(nb);
+        for (auto & b : x) b = (uint8_t) rng();
+        int64_t isum = 0, qsum = 0;
+        for (int ib = 0; ib < nb; ++ib) {
+            y[ib].d = 1.0f;
+            for (int i = 0; i < 256; ++i) y[ib].qs[i] = (int8_t) ((int) (rng() % 255) - 127);
+            for (int j = 0; j < 16; ++j) {
+                int s = 0;
+                for (int i = 0; i < 16; ++i) s += y[ib].qs[16*j + i];
+                y[ib].bsums[j] = (int16_t) s;
+            }
+            const uint8_t * qs = &x[ib*bs + 4], * qh = &x[ib*bs + 68];
+            for (int i = 0; i < 256; ++i) {
+                const int q = ((qs[i % 64] >> (2*(i/64))) & 3) | (((qh[i % 32] >> (i/32)) & 1) << 2);
+                isum += grid[q]*y[ib].qs[i];
+                qsum += y[ib].qs[i];
+            }
+        }
+        const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(GGML_TYPE_ITQ3_S)->vec_dot;
+        for (int part = 0; part < 2; ++part) {
+            const ggml_fp16_t h[2] = { ggml_fp32_to_fp16(part == 0 ? 1.0f : 0.0f), ggml_fp32_to_fp16(part == 0 ? 0.0f : 1.0f) };
+            for (int ib = 0; ib < nb; ++ib) memcpy(&x[ib*bs], h, sizeof(h));
+            float got;
+            vec_dot(nb*256, &got, 0, x.data(), 0, y.data(), 0, 1);
+            const int64_t want = part == 0 ? isum : qsum;
+            CHECK(got == (float) want, "itq3_s vec_dot %s part: %.1f, want %lld", part == 0 ? "grid" : "offset", got, (long long) want);
+        }
+    }
+
     printf("test-rq-itq3: %s (%d failures)\n", n_fail == 0 ? "OK" : "FAILED", n_fail);
     return n_fail == 0 ? 0 : 1;
 }

@@ -1,4 +1,4 @@
-// RotaryQuant CPU kernels: scalar reference first, AVX2 behind it.
+// RotaryQuant CPU kernels: scalar reference first, AVX2 and NEON (AArch64) behind it.
 
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
@@ -19,6 +19,9 @@
 
 #if defined(__AVX2__)
 #include <immintrin.h>
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+#include <arm_neon.h>
+#define RQ_NEON
 #endif
 
 void quantize_row_isoquant3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
@@ -87,6 +90,43 @@ static inline float hsum_f32_8(__m256 v) {
     r = _mm_add_ss(r, _mm_movehdup_ps(r));
     return _mm_cvtss_f32(r);
 }
+#elif defined(RQ_NEON)
+// the same lookup with tbl: the codebook's bytes in four table registers (8 levels use two), index i
+// of a lane becomes the byte indices 4i..4i+3 of its float; lanes hold indices 0-3 and 4-7 of a group
+typedef struct {
+    uint8x16x4_t tab;
+    int32x4_t    sh0, sh1; // -bits*j: right shifts of the group word for lanes j = 0-3, 4-7
+    uint32x4_t   mask;
+    int          bits;
+} iso_lut;
+
+RQ_INLINE iso_lut iso_lut_init(int bits) {
+    const float * cb = ggml_rq_iso_codebook_bits(bits);
+    const int32_t j[4] = { 0, 1, 2, 3 };
+    iso_lut L;
+    L.tab.val[0] = vreinterpretq_u8_f32(vld1q_f32(cb + 0));
+    L.tab.val[1] = vreinterpretq_u8_f32(vld1q_f32(cb + 4));
+    L.tab.val[2] = bits == 4 ? vreinterpretq_u8_f32(vld1q_f32(cb +  8)) : L.tab.val[0];
+    L.tab.val[3] = bits == 4 ? vreinterpretq_u8_f32(vld1q_f32(cb + 12)) : L.tab.val[1];
+    L.sh0  = vmulq_n_s32(vld1q_s32(j), -bits);
+    L.sh1  = vmulq_n_s32(vaddq_s32(vld1q_s32(j), vdupq_n_s32(4)), -bits);
+    L.mask = vdupq_n_u32((1u << bits) - 1);
+    L.bits = bits;
+    return L;
+}
+
+RQ_INLINE float32x4_t iso_lookup4(const iso_lut * L, uint32x4_t idx) {
+    const uint8x16_t b = vreinterpretq_u8_u32(vmlaq_n_u32(vdupq_n_u32(0x03020100), idx, 0x04040404));
+    return vreinterpretq_f32_u8(vqtbl4q_u8(L->tab, b));
+}
+
+RQ_INLINE float32x4x2_t iso_lookup8(const iso_lut * L, const uint8_t * qs, int g) {
+    const uint32x4_t w = vdupq_n_u32(ggml_rq_iso_word(qs, g, L->bits));
+    float32x4x2_t r;
+    r.val[0] = iso_lookup4(L, vandq_u32(vshlq_u32(w, L->sh0), L->mask));
+    r.val[1] = iso_lookup4(L, vandq_u32(vshlq_u32(w, L->sh1), L->mask));
+    return r;
+}
 #endif
 
 // sum_b ||x_b|| * <c[idx_b], (R q)_b> for `bits`-bit IsoQuant blocks
@@ -108,6 +148,26 @@ RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const block_is
         acc = _mm256_fmadd_ps(_mm256_set1_ps(iso_block_d(blk)), _mm256_add_ps(a0, a1), acc);
     }
     return hsum_f32_8(acc);
+#elif defined(RQ_NEON)
+    const iso_lut L = iso_lut_init(bits);
+    float32x4_t acc0 = vdupq_n_f32(0.0f);
+    float32x4_t acc1 = vdupq_n_f32(0.0f);
+    for (int ib = 0; ib < nb; ++ib) {
+        const uint8_t * blk = iso_block(vx, ib, bits);
+        const uint8_t * qs  = blk + sizeof(ggml_half);
+        const float   * q   = y[ib].qr;
+        float32x4_t a0 = vdupq_n_f32(0.0f);
+        float32x4_t a1 = vdupq_n_f32(0.0f);
+        for (int g = 0; g < QK_ISO/8; ++g) {
+            const float32x4x2_t c = iso_lookup8(&L, qs, g);
+            a0 = vfmaq_f32(a0, c.val[0], vld1q_f32(q + 8*g + 0));
+            a1 = vfmaq_f32(a1, c.val[1], vld1q_f32(q + 8*g + 4));
+        }
+        const float32x4_t d = vdupq_n_f32(iso_block_d(blk));
+        acc0 = vfmaq_f32(acc0, d, a0);
+        acc1 = vfmaq_f32(acc1, d, a1);
+    }
+    return vaddvq_f32(vaddq_f32(acc0, acc1));
 #else
     const float  * cb   = ggml_rq_iso_codebook_bits(bits);
     const uint32_t mask = (1u << bits) - 1;
@@ -155,7 +215,7 @@ void ggml_rq_iso_unrotate(int n, float * acc) {
 // codebook values (unscaled) and block norms of one packed row: what the kernels above compute per
 // call, computed once per key for all query rows that share it
 RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits) {
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(RQ_NEON)
     const iso_lut L = iso_lut_init(bits);
 #else
     const float  * cb   = ggml_rq_iso_codebook_bits(bits);
@@ -169,6 +229,10 @@ RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML
         for (int g = 0; g < QK_ISO/8; ++g) {
 #if defined(__AVX2__)
             _mm256_storeu_ps(cb_out + 8*g, iso_lookup8(&L, qs, g));
+#elif defined(RQ_NEON)
+            const float32x4x2_t v = iso_lookup8(&L, qs, g);
+            vst1q_f32(cb_out + 8*g + 0, v.val[0]);
+            vst1q_f32(cb_out + 8*g + 4, v.val[1]);
 #else
             const uint32_t w = ggml_rq_iso_word(qs, g, bits);
             for (int j = 0; j < 8; ++j) {
@@ -204,6 +268,23 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
         acc = _mm256_fmadd_ps(_mm256_set1_ps(d[ib]), _mm256_add_ps(a0, a1), acc);
     }
     return hsum_f32_8(acc);
+#elif defined(RQ_NEON)
+    float32x4_t acc0 = vdupq_n_f32(0.0f);
+    float32x4_t acc1 = vdupq_n_f32(0.0f);
+    for (int ib = 0; ib < nb; ++ib) {
+        const float * cq = c + ib*QK_ISO;
+        const float * qq = q + ib*QK_ISO;
+        float32x4_t a0 = vdupq_n_f32(0.0f);
+        float32x4_t a1 = vdupq_n_f32(0.0f);
+        for (int i = 0; i < QK_ISO; i += 8) {
+            a0 = vfmaq_f32(a0, vld1q_f32(cq + i + 0), vld1q_f32(qq + i + 0));
+            a1 = vfmaq_f32(a1, vld1q_f32(cq + i + 4), vld1q_f32(qq + i + 4));
+        }
+        const float32x4_t dd = vdupq_n_f32(d[ib]);
+        acc0 = vfmaq_f32(acc0, dd, a0);
+        acc1 = vfmaq_f32(acc1, dd, a1);
+    }
+    return vaddvq_f32(vaddq_f32(acc0, acc1));
 #else
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib) {
@@ -227,6 +308,10 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
         const __m256 s = _mm256_set1_ps(vd);
         for (int g = 0; g < QK_ISO/8; ++g) {
             _mm256_storeu_ps(a + 8*g, _mm256_add_ps(_mm256_loadu_ps(a + 8*g), _mm256_mul_ps(_mm256_loadu_ps(cb + 8*g), s)));
+        }
+#elif defined(RQ_NEON)
+        for (int i = 0; i < QK_ISO; i += 4) {
+            vst1q_f32(a + i, vmlaq_n_f32(vld1q_f32(a + i), vld1q_f32(cb + i), vd));
         }
 #else
         for (int i = 0; i < QK_ISO; ++i) {
@@ -412,10 +497,7 @@ void quantize_row_q8_itq(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     assert(k % QK_ITQ == 0);
     float t[QK_ITQ];
     for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
-        for (int i = 0; i < QK_ITQ; ++i) {
-            t[i] = x[ib*QK_ITQ + i]*itq3_signs[i];
-        }
-        ggml_rq_fwht256(t);
+        ggml_rq_itq3_rotate(x + ib*QK_ITQ, t);
         quantize_row_q8_K(t, (block_q8_K *) y + ib, QK_ITQ);
     }
 }
@@ -458,6 +540,35 @@ void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const
         a4 = _mm_hadd_epi32(a4, a4);
         a4 = _mm_hadd_epi32(a4, a4);
         const int32_t isum = _mm_cvtsi128_si32(a4);
+        int32_t qsum = 0;
+        for (int j = 0; j < QK_ITQ/16; ++j) {
+            qsum += y[ib].bsums[j];
+        }
+        sumf += y[ib].d * (GGML_CPU_FP16_TO_FP32(x[ib].d) * (float) isum + GGML_CPU_FP16_TO_FP32(x[ib].m) * (float) qsum);
+    }
+    *s = sumf;
+#elif defined(RQ_NEON)
+    // grid lookup with tbl (8 entries); 16 codes per register, integer dot (sdot where the CPU has it)
+    const int8x16_t  gtab = vcombine_s8(vld1_s8(grid), vld1_s8(grid));
+    const uint8x16_t m3   = vdupq_n_u8(3);
+    const uint8x16_t m1   = vdupq_n_u8(1);
+    float sumf = 0.0f;
+    for (int ib = 0; ib < nb; ++ib) {
+        const ggml_uint8x16x4_t lo = ggml_vld1q_u8_x4(x[ib].qs);
+        const ggml_uint8x16x2_t hi = ggml_vld1q_u8_x2(x[ib].qh);
+        int32x4_t acc = vdupq_n_s32(0);
+        for (int c = 0; c < 8; ++c) {
+            const int8x16_t sl = vdupq_n_s8(-2*(c >> 1));
+            const int8x16_t sh = vdupq_n_s8(-c);
+            for (int h = 0; h < 2; ++h) {
+                // codes 32c+16h+t: low bits from qs[32*(c&1) + 16h + t] >> 2*(c>>1), high bit from qh[16h + t] >> c
+                const uint8x16_t l   = vandq_u8(vshlq_u8(lo.val[2*(c & 1) + h], sl), m3);
+                const uint8x16_t b   = vandq_u8(vshlq_u8(hi.val[h], sh), m1);
+                const int8x16_t  g   = ggml_vqtbl1q_s8(gtab, vorrq_u8(l, vshlq_n_u8(b, 2)));
+                acc = ggml_vdotq_s32(acc, g, vld1q_s8(y[ib].qs + 32*c + 16*h));
+            }
+        }
+        const int32_t isum = vaddvq_s32(acc);
         int32_t qsum = 0;
         for (int j = 0; j < QK_ITQ/16; ++j) {
             qsum += y[ib].bsums[j];
