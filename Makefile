@@ -20,9 +20,9 @@ test: setup
 test-fast: setup
 	$(VENV_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# KV-cache speed per type and depth (minutes on 2 cores; results in docs/results/kv-bench.md)
+# KV-cache speed per type and depth: rq-eval bench (minutes on 2 cores; results in docs/results/kv-bench.md)
 bench: setup
-	$(VENV_PY) -m rotaryquant.eval.bench_cli $(BENCH_ARGS)
+	$(VENV_PY) -m rotaryquant.eval.cli bench $(BENCH_ARGS)
 
 # write edits made in build/src/llama-cpp-python (committed there) back to ggml-patches/*.patch
 patches:

@@ -1,2 +1,3 @@
-"""Measurements behind `rq-eval` and `rq-bench`: KV-cache quality (perplexity/KLD, decode-time KLD, NIAH, the
-quality gate), speed and memory, weight types, llama-server under load, and the report that collects them."""
+"""Measurements behind `rq-eval` (one subcommand each; `rq-bench` is `rq-eval bench`): KV-cache quality
+(perplexity/KLD, decode-time KLD, NIAH, the quality gate), speed and memory, weight types, llama-server under
+load, conversion speed, the IsoQuant variants on synthetic data, and the report that collects them."""

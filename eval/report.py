@@ -156,7 +156,7 @@ def build(results: Path) -> Path:
     measured: dict[str, str] = {}
     body: list[str] = []
     kvb = _load(results, "kv-bench")
-    body += _kv_speed_section(kvb, results, measured) if kvb else ["## KV-cache speed", "", "_not run: `rq-bench`_", ""]
+    body += _kv_speed_section(kvb, results, measured) if kvb else ["## KV-cache speed", "", "_not run: `rq-eval bench`_", ""]
     for f in sorted(results.glob("kv-bench-*.json")):  # further speed runs (e.g. with/without K calibration)
         from rotaryquant.eval import kvbench
 
