@@ -340,7 +340,8 @@ def to_markdown(res: dict) -> str:
              "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in res["rows"]:
         p = r["predicted"]
-        f = lambda k: f"{P.mib(p.get(k, 0)):.0f}"  # noqa: E731
+        def f(k: str, p: dict = p) -> str:
+            return f"{P.mib(p.get(k, 0)):.0f}"
         ctr = r.get("counters", {}).get("kv_deferred_peak_bytes")
         dfr = f"{P.mib(p.get('transient', 0)):.1f} ({P.mib(ctr):.1f})" if r.get("deferred") else "–"
         kv = r["kv"] + (" --kv-deferred" if r.get("deferred") else "")

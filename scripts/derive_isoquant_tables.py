@@ -109,7 +109,7 @@ def lloyd_max(nlevels: int = NLEVELS) -> tuple[np.ndarray, int, float]:
     c_pos = sigma * (8.0 / nlevels) * (np.arange(nlevels // 2) + 0.5)
     step = float("inf")
     it = 0
-    for it in range(1, LLOYD_MAX_ITERS + 1):
+    for it in range(1, LLOYD_MAX_ITERS + 1):  # noqa: B007  (returned: the iterations it took)
         new = lloyd_step(c_pos)
         step = float(np.max(np.abs(new - c_pos)))
         c_pos = new

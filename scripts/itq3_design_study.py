@@ -920,7 +920,7 @@ def main():
 
     print("## Grids\n")
     rows = []
-    for k, g in grids.items():
+    for g in grids.values():
         lv = g.levels - (g.centre if g.affine else 0)
         rows.append([g.name, " ".join("%g" % v for v in g.levels), "%.6g" % float(g.c_rms),
                      "%.5f" % gauss_mse(lv, float(g.c_rms))])

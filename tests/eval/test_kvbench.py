@@ -35,7 +35,7 @@ def test_config_suffixes():
     assert kvbench.config("isoquant3_0-unfused") == ("isoquant3_0-unfused", "isoquant3_0", True)
     assert kvbench.config("isoquant3_0+calib-deferred") == ("isoquant3_0+calib-deferred", "isoquant3_0+calib", False)
     assert kvbench.config("isoquant3_0-unfused-deferred")[1:] == ("isoquant3_0", True)
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="unknown ggml type 'q5_9'"):
         kvbench.config("q5_9-deferred")
 
 

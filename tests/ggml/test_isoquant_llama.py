@@ -89,7 +89,7 @@ def test_python_llama_counters_and_state(gemma3, sane_text):
     assert c["iso_dequant_rows"] == 0, c  # fused: no K/V row is ever turned back into floats
 
     # KV state save/restore round-trips: the same continuation after restoring
-    def continue_greedy(n):
+    def continue_greedy(llm, n):
         toks = []
         for _ in range(n):
             t = llm.sample(temp=0.0)
@@ -100,9 +100,9 @@ def test_python_llama_counters_and_state(gemma3, sane_text):
     llm.reset()
     llm.eval(llm.tokenize(PROMPT.encode()))
     state = llm.save_state()
-    a = continue_greedy(8)
+    a = continue_greedy(llm, 8)
     llm.load_state(state)
-    b = continue_greedy(8)
+    b = continue_greedy(llm, 8)
     assert a == b
     del llm
 
