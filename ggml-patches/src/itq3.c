@@ -1,5 +1,5 @@
 // ITQ3_S reference quantiser/dequantiser and the Q8_ITQ activation format. Part of ggml-base,
-// compiled with -ffp-contract=off: converter/itq3.py follows the same operation order and matches
+// compiled with -ffp-contract=off: rotaryquant/quants/itq3.py follows the same operation order and matches
 // bit for bit (docs/itq3-design.md has the spec and the measurements behind every choice).
 //
 //   quantise:   y = FWHT256(S w); centre; pick the step d among 4 candidates around the

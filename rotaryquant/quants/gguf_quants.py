@@ -34,22 +34,20 @@ def register(base: type) -> tuple[type, ...]:
         def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
             return itq3.dequantize_blocks(blocks)
 
-    class ISOQUANT3_0(base, qtype=QT.ISOQUANT3_0):
-        @classmethod
-        def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-            return isoquant.quantize_blocks(blocks, bits=3)
+    def isoquant_class(bits: int, qtype: QT) -> type:
+        class IsoQuant(base, qtype=qtype):
+            @classmethod
+            def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+                return isoquant.quantize_blocks(blocks, bits=bits)
 
-        @classmethod
-        def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-            return isoquant.dequantize_blocks(blocks, bits=3)
+            @classmethod
+            def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
+                return isoquant.dequantize_blocks(blocks, bits=bits)
 
-    class ISOQUANT4_0(base, qtype=QT.ISOQUANT4_0):
-        @classmethod
-        def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-            return isoquant.quantize_blocks(blocks, bits=4)
+        IsoQuant.__name__ = IsoQuant.__qualname__ = qtype.name
+        return IsoQuant
 
-        @classmethod
-        def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-            return isoquant.dequantize_blocks(blocks, bits=4)
+    ISOQUANT3_0 = isoquant_class(3, QT.ISOQUANT3_0)
+    ISOQUANT4_0 = isoquant_class(4, QT.ISOQUANT4_0)
 
     return ITQ3_S, ISOQUANT3_0, ISOQUANT4_0

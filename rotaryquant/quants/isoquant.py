@@ -44,6 +44,8 @@ from typing import Literal
 
 import numpy as np
 
+from rotaryquant.quants import as_blocks
+
 from . import isoquant_tables as _tables
 
 __all__ = [
@@ -88,13 +90,8 @@ _CHUNK = 2048  # blocks per vectorised chunk (cache-sized working set)
 # helpers
 # --------------------------------------------------------------------------
 
-def _as_blocks(x, dtype) -> np.ndarray:
-    a = np.asarray(x, dtype=dtype)
-    if a.ndim == 1:
-        a = a.reshape(1, -1)
-    if a.ndim != 2 or a.shape[1] != QK:
-        raise ValueError(f"expected shape (n, {QK}), got {np.shape(x)}")
-    return np.ascontiguousarray(a)
+def _as_blocks(x, dtype, name="x") -> np.ndarray:
+    return as_blocks(x, dtype, QK, name)
 
 
 def _tree_sum_f64(a: np.ndarray) -> np.ndarray:

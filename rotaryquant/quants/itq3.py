@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from rotaryquant.quants import as_blocks
+
 from rotaryquant.quants import itq3_tables as _tables
 
 __all__ = [
@@ -273,12 +275,7 @@ def _quantize_chunk(w: np.ndarray, iw: np.ndarray | None, trace: dict | None = N
 # --------------------------------------------------------------------------
 
 def _as_blocks(x, dtype, name="w") -> np.ndarray:
-    a = np.asarray(x, dtype=dtype)
-    if a.ndim == 1:
-        a = a.reshape(1, -1)
-    if a.ndim != 2 or a.shape[1] != QK:
-        raise ValueError(f"{name}: expected shape (n, {QK}), got {np.shape(x)}")
-    return np.ascontiguousarray(a)
+    return as_blocks(x, dtype, QK, name)
 
 
 def _imatrix_blocks(imatrix, n: int) -> np.ndarray | None:
