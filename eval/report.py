@@ -144,10 +144,11 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
     for label, key in (("isoquant3_0", "iso_dppl"), ("isoquant3_0+calib", "iso_calib_dppl")):
         iso = next((r for r in rows if r["label"] == label and r["ctx"] == ctx), None)
         if iso:
-            prev = measured.get(key, "")
-            measured[key] = (prev + "; " if prev else "") + (
-                f"{kvq['model']} ctx {ctx}: ΔPPL {iso['ppl'] - base:+.3f} (PPL {base:.2f} → {iso['ppl']:.2f}), "
-                f"KLD {iso['kld_mean']:.4f}")
+            # several result files can hold the same row (one run per file): list it once
+            seen = measured.get(key, "").split("; ") if measured.get(key) else []
+            row = (f"{kvq['model']} ctx {ctx}: ΔPPL {iso['ppl'] - base:+.3f} (PPL {base:.2f} → {iso['ppl']:.2f}), "
+                   f"KLD {iso['kld_mean']:.4f}")
+            measured[key] = "; ".join(seen if row in seen else [*seen, row])
     return [kvquality.to_markdown(kvq), *([f"![]({p})"] if p else []), ""]
 
 

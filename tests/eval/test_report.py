@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,17 @@ def test_report_from_real_small_runs(tmp_path, gemma3, smollm2):
     assert "| isoquant3_0-unfused | 128 |" in md
     assert "| 256 | q8_0 |" in md
     assert "_not run: `rq-eval niah`_" in md  # sections without results say so
+
+
+def test_ledger_lists_a_row_held_by_two_result_files_once(tmp_path):
+    rows = [{"label": "f16", "ctx": 512, "ppl": 10.0, "kld_mean": None},
+            {"label": "isoquant3_0", "ctx": 512, "ppl": 12.5, "kld_mean": 0.25}]
+    src = Path(__file__).resolve().parents[2] / "docs/results/kv-quality.json"
+    doc = json.loads(src.read_text())
+    doc["rows"] = [{**doc["rows"][0], **r} for r in rows]
+    doc["model"] = "m.gguf"
+    for name in ("kv-quality-a.json", "kv-quality-b.json"):
+        (tmp_path / name).write_text(json.dumps(doc))
+    text = report.build(tmp_path).read_text()
+    ledger = next(line for line in text.splitlines() if line.startswith("| RotaryQuant Tab. 3 |"))
+    assert ledger.count("m.gguf ctx 512: ΔPPL +2.500") == 1, ledger
