@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 SETUP_ARGS ?=
 
-.PHONY: setup demo test test-fast patches bench clean
+.PHONY: setup demo test test-fast test-scalar test-aarch64 patches bench clean
 
 setup:
 	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
@@ -19,6 +19,14 @@ test: setup
 # the suite without the slow end-to-end tests (generation, server, backend-ops)
 test-fast: setup
 	$(VENV_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the CPU paths other than build/cpu's AVX2 (README "Which CPU runs which code"): a ggml build with
+# every x86 SIMD option off (build/scalar), and an AArch64 NEON build run under qemu (build/aarch64)
+test-scalar: setup
+	scripts/ci/scalar.sh
+
+test-aarch64: setup
+	scripts/ci/aarch64.sh
 
 # KV-cache speed per type and depth: rq-eval bench (minutes on 2 cores; results in docs/results/kv-bench.md)
 bench: setup

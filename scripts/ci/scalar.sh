@@ -19,7 +19,9 @@ while [ $# -gt 0 ]; do
         *) die "unknown argument $1 (see --help)" ;;
     esac
 done
-[ "$(uname -m)" = x86_64 ] || die "the scalar job is for x86-64 hosts (elsewhere the default build has no AVX2 anyway)"
+if [ "$(uname -m)" != x86_64 ]; then
+    log "skipped: the scalar job is for x86-64 hosts (it builds x86-64 without SIMD)"; exit 0
+fi
 ci_check_tree
 
 CI_TARGETS="test-backend-ops test-quantize-fns test-rq-attn test-rq-itq3 fuzz-rq"
