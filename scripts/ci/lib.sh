@@ -40,7 +40,7 @@ ci_build() {
     log "built $CI_TARGETS in $(( $(date +%s) - t )) s"
 }
 
-# ci_compile_flags BUILD_DIR SOURCE: the compiler command of one translation unit (compile_commands.json)
+# ci_compile_cmd BUILD_DIR SOURCE: the folder and compiler command of one translation unit (compile_commands.json)
 ci_compile_cmd() {
     python3 - "$1/compile_commands.json" "$2" <<'PY'
 import json, sys

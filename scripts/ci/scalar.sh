@@ -32,7 +32,9 @@ ci_build "$BUILD" -DGGML_NATIVE=OFF -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=
 # the scalar kernels are the ones compiled: no AVX/SSE4 macro, and no 256-bit register in our objects
 m=$(ci_macros "$BUILD" ggml-rq/cpu/rq-cpu.c)
 grep -qE "#define __(AVX|AVX2|FMA|F16C|SSSE3|SSE4_1)__ " <<< "$m" && die "rq-cpu.c was compiled with x86 SIMD enabled"
-for o in $(find "$BUILD" -path "*ggml-rq*" -name "*.o" -not -path "*fuzz*"); do
+objs=$(find "$BUILD" -path "*ggml-rq*" -name "*.o" -not -path "*fuzz*")
+[ "$(wc -l <<< "$objs")" -eq 3 ] || die "expected 3 objects of ours (rq-cpu.c, isoquant.c, itq3.c), found: $objs"
+for o in $objs; do
     n=$(objdump -d "$o" | grep -c "%ymm" || true)
     [ "$n" -eq 0 ] || die "$o uses ymm registers ($n instructions)"
 done
