@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 SETUP_ARGS ?=
 
-.PHONY: setup demo test test-fast test-scalar test-aarch64 patches bench clean
+.PHONY: setup demo test test-fast test-scalar test-aarch64 lint patches bench clean
 
 setup:
 	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
@@ -22,6 +22,10 @@ test-fast: setup
 
 # the CPU paths other than build/cpu's AVX2 (README "Which CPU runs which code"): a ggml build with
 # every x86 SIMD option off (build/scalar), and an AArch64 NEON build run under qemu (build/aarch64)
+# ruff with pyproject's rules (also a test in the suite: tests/test_lint.py)
+lint: setup
+	$(VENV_PY) -m ruff check .
+
 test-scalar: setup
 	scripts/ci/scalar.sh
 
