@@ -20,6 +20,11 @@ What is derived
   computed in float64 from the float64 centroids.
 * ``iq4_codebook[16]``, ``iq4_bounds[15]``: the same derivation with 16 levels
   (4-bit, ISOQUANT4_0); rotation, signs and scale are shared with the 3-bit type.
+* ``iq3_64_codebook[8]``, ``iq4_64_codebook[16]`` and their bounds: the same
+  derivation for R^64, f(x) ∝ (1 - x^2)^(61/2) (a wider marginal than R^128's,
+  so derived, not scaled), for the 64-wide types ISOQUANT3_64 / ISOQUANT4_64
+  (head size 64).  Their rotation reuses the first 64 signs and the first 16
+  SO(4)/SO(3) groups below, with ``iq64_wht_scale`` = float32(1/sqrt(64)).
 * ``iq3_so4[32][16]``: for each of the 32 groups of 4 coordinates the
   row-major 4x4 matrix of v -> q_L * v * conj(q_R) (Hamilton product, v as
   the quaternion (w, x, y, z)), with (q_L, q_R) uniform on S^3 drawn from
@@ -55,6 +60,7 @@ DIM = 128
 NGROUPS = DIM // 4
 NLEVELS = 8     # ISOQUANT3_0
 NLEVELS4 = 16   # ISOQUANT4_0
+DIM64 = 64      # ISOQUANT3_64 / ISOQUANT4_64 (head size 64)
 LLOYD_MAX_ITERS = 100_000
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,47 +76,53 @@ A_EXP = (DIM - 3) / 2.0
 # Lloyd-Max codebook for the sphere marginal
 # --------------------------------------------------------------------------
 
-def _half_beta() -> float:
-    """∫_0^1 (1-x^2)^A dx = B(1/2, A+1) / 2."""
-    return 0.5 * math.exp(special.betaln(0.5, A_EXP + 1.0))
+def _half_beta(a: float = A_EXP) -> float:
+    """∫_0^1 (1-x^2)^a dx = B(1/2, a+1) / 2."""
+    return 0.5 * math.exp(special.betaln(0.5, a + 1.0))
 
 
-def _mass(lo: float, hi: float) -> float:
-    """Unnormalised ∫_lo^hi (1-x^2)^A dx for 0 <= lo < hi <= 1."""
-    hb = _half_beta()
+def _mass(lo: float, hi: float, a: float = A_EXP) -> float:
+    """Unnormalised ∫_lo^hi (1-x^2)^a dx for 0 <= lo < hi <= 1."""
+    hb = _half_beta(a)
     if hi >= 1.0:  # upper tail: use the complementary function (no cancellation)
-        return hb * float(special.betaincc(0.5, A_EXP + 1.0, lo * lo))
-    return hb * float(special.betainc(0.5, A_EXP + 1.0, hi * hi)
-                      - special.betainc(0.5, A_EXP + 1.0, lo * lo))
+        return hb * float(special.betaincc(0.5, a + 1.0, lo * lo))
+    return hb * float(special.betainc(0.5, a + 1.0, hi * hi)
+                      - special.betainc(0.5, a + 1.0, lo * lo))
 
 
-def _first_moment(lo: float, hi: float) -> float:
-    """Unnormalised ∫_lo^hi x (1-x^2)^A dx (closed form)."""
-    a1 = A_EXP + 1.0
+def _first_moment(lo: float, hi: float, a: float = A_EXP) -> float:
+    """Unnormalised ∫_lo^hi x (1-x^2)^a dx (closed form)."""
+    a1 = a + 1.0
     return ((1.0 - lo * lo) ** a1 - (1.0 - hi * hi) ** a1) / (2.0 * a1)
 
 
-def density(x):
+def density(x, a: float = A_EXP):
     """Normalised marginal density on [-1, 1]."""
-    return (1.0 - np.square(x)) ** A_EXP / (2.0 * _half_beta())
+    return (1.0 - np.square(x)) ** a / (2.0 * _half_beta(a))
 
 
-def lloyd_step(c_pos: np.ndarray) -> np.ndarray:
+def _exponent(dim: int) -> float:
+    """Exponent of the marginal density of one coordinate of a unit vector in R^dim."""
+    return (dim - 3) / 2.0
+
+
+def lloyd_step(c_pos: np.ndarray, dim: int = DIM) -> np.ndarray:
     """One Lloyd iteration on the positive half (levels c_pos ascending > 0)."""
+    a = _exponent(dim)
     t = np.concatenate(([0.0], 0.5 * (c_pos[:-1] + c_pos[1:]), [1.0]))
-    return np.array([_first_moment(t[k], t[k + 1]) / _mass(t[k], t[k + 1])
+    return np.array([_first_moment(t[k], t[k + 1], a) / _mass(t[k], t[k + 1], a)
                      for k in range(len(c_pos))])
 
 
-def lloyd_max(nlevels: int = NLEVELS) -> tuple[np.ndarray, int, float]:
+def lloyd_max(nlevels: int = NLEVELS, dim: int = DIM) -> tuple[np.ndarray, int, float]:
     """Return (float64 centroids ascending [nlevels], iterations, final step size)."""
-    sigma = 1.0 / math.sqrt(DIM)
+    sigma = 1.0 / math.sqrt(dim)
     # start from a uniform grid spanning +-4 sigma; Lloyd is globally convergent for log-concave f
     c_pos = sigma * (8.0 / nlevels) * (np.arange(nlevels // 2) + 0.5)
     step = float("inf")
     it = 0
     for it in range(1, LLOYD_MAX_ITERS + 1):  # noqa: B007  (returned: the iterations it took)
-        new = lloyd_step(c_pos)
+        new = lloyd_step(c_pos, dim)
         step = float(np.max(np.abs(new - c_pos)))
         c_pos = new
         # the float64 evaluation of one step is accurate to ~1e-15 (absolute);
@@ -122,34 +134,36 @@ def lloyd_max(nlevels: int = NLEVELS) -> tuple[np.ndarray, int, float]:
     return np.concatenate((-c_pos[::-1], c_pos)), it, step
 
 
-def quantizer_mse(centroids: np.ndarray, bounds: np.ndarray) -> float:
+def quantizer_mse(centroids: np.ndarray, bounds: np.ndarray, dim: int = DIM) -> float:
     """Per-coordinate MSE E[(X - Q(X))^2], Q given by centroids/bounds (float64).
 
-    Uses E[X^2] = 1/DIM and the closed-form cell moments:
+    Uses E[X^2] = 1/dim and the closed-form cell moments:
         MSE = Σ_k ∫_cell (x - c_k)^2 f = E[X^2] - Σ_k (2 c_k m1_k - c_k^2 m0_k).
     """
-    z = 2.0 * _half_beta()
+    a = _exponent(dim)
+    z = 2.0 * _half_beta(a)
     t = np.concatenate(([-1.0], bounds, [1.0]))
-    acc = 1.0 / DIM
+    acc = 1.0 / dim
     for k, c in enumerate(centroids):
         lo, hi = t[k], t[k + 1]
         if lo >= 0.0:
-            m0, m1 = _mass(lo, hi), _first_moment(lo, hi)
+            m0, m1 = _mass(lo, hi, a), _first_moment(lo, hi, a)
         elif hi <= 0.0:  # mirror
-            m0, m1 = _mass(-hi, -lo), -_first_moment(-hi, -lo)
+            m0, m1 = _mass(-hi, -lo, a), -_first_moment(-hi, -lo, a)
         else:
-            m0 = _mass(0.0, -lo) + _mass(0.0, hi)
-            m1 = _first_moment(0.0, hi) - _first_moment(0.0, -lo)
+            m0 = _mass(0.0, -lo, a) + _mass(0.0, hi, a)
+            m1 = _first_moment(0.0, hi, a) - _first_moment(0.0, -lo, a)
         acc -= (2.0 * c * m1 - c * c * m0) / z
     return acc
 
 
-def quantizer_mse_quad(centroids: np.ndarray, bounds: np.ndarray) -> float:
+def quantizer_mse_quad(centroids: np.ndarray, bounds: np.ndarray, dim: int = DIM) -> float:
     """Independent cross-check of quantizer_mse by adaptive quadrature."""
+    a = _exponent(dim)
     t = np.concatenate(([-1.0], bounds, [1.0]))
     tot = 0.0
     for k, c in enumerate(centroids):
-        val, _ = integrate.quad(lambda x, c=c: (x - c) ** 2 * density(x),
+        val, _ = integrate.quad(lambda x, c=c: (x - c) ** 2 * density(x, a),
                                 t[k], t[k + 1], epsabs=1e-17, epsrel=1e-12, limit=200)
         tot += val
     return tot
@@ -215,10 +229,10 @@ def signs() -> np.ndarray:
     return 1.0 - 2.0 * bits.astype(np.float64)
 
 
-def hadamard() -> np.ndarray:
+def hadamard(dim: int = DIM) -> np.ndarray:
     """Sylvester Hadamard matrix (natural order, = the butterfly WHT), float64, unscaled."""
     h = np.array([[1.0]])
-    while h.shape[0] < DIM:
+    while h.shape[0] < dim:
         h = np.block([[h, h], [h, -h]])
     return h
 
@@ -227,23 +241,24 @@ def hadamard() -> np.ndarray:
 # derivation + rendering
 # --------------------------------------------------------------------------
 
-def codebook(nlevels: int) -> dict:
-    """Lloyd-Max codebook with nlevels levels: float32 tables and the derivation log."""
-    cb64, iters, last_step = lloyd_max(nlevels)
+def codebook(nlevels: int, dim: int = DIM) -> dict:
+    """Lloyd-Max codebook with nlevels levels for R^dim: float32 tables and the derivation log."""
+    cb64, iters, last_step = lloyd_max(nlevels, dim)
     cb32 = cb64.astype(np.float32)
     bnd32 = (0.5 * (cb64[:-1] + cb64[1:])).astype(np.float32)
     # fixed-point residual of the float64 codebook
-    resid = float(np.max(np.abs(lloyd_step(cb64[nlevels // 2:]) - cb64[nlevels // 2:])))
+    resid = float(np.max(np.abs(lloyd_step(cb64[nlevels // 2:], dim) - cb64[nlevels // 2:])))
     return {
+        "dim": dim,
         "codebook_f64": cb64,
         "codebook": cb32,
         "bounds": bnd32,
         "iterations": iters,
         "last_step": last_step,
         "fixed_point_residual": resid,
-        "mse_per_coord": quantizer_mse(cb64, 0.5 * (cb64[:-1] + cb64[1:])),
-        "mse_per_coord_f32": quantizer_mse(cb32.astype(np.float64), bnd32.astype(np.float64)),
-        "mse_per_coord_quad": quantizer_mse_quad(cb64, 0.5 * (cb64[:-1] + cb64[1:])),
+        "mse_per_coord": quantizer_mse(cb64, 0.5 * (cb64[:-1] + cb64[1:]), dim),
+        "mse_per_coord_f32": quantizer_mse(cb32.astype(np.float64), bnd32.astype(np.float64), dim),
+        "mse_per_coord_quad": quantizer_mse_quad(cb64, 0.5 * (cb64[:-1] + cb64[1:]), dim),
     }
 
 
@@ -266,10 +281,16 @@ def derive() -> dict:
     wht_s = hadamard() @ s / DIM
     dc_max = float(np.max(np.abs(wht_s)))
     assert dc_max < 0.5, dc_max
+    # the 64-wide types use S[:64]: the same property for WHT-64
+    dc_max64 = float(np.max(np.abs(hadamard(DIM64) @ s[:DIM64] / DIM64)))
+    assert dc_max64 < 0.5, dc_max64
 
     return {
         **cb3,
         "cb4": codebook(NLEVELS4),
+        "cb3_64": codebook(NLEVELS, DIM64),
+        "cb4_64": codebook(NLEVELS4, DIM64),
+        "signs_dc_max64": dc_max64,
         "signs": s,
         "signs_dc_max": dc_max,
         "signs_nneg": int(np.sum(s < 0)),
@@ -355,6 +376,24 @@ def render_c(t: dict) -> str:
         out.append("    " + ", ".join(_c_float(v) for v in cb4["bounds"][r:r + 4]) + ",")
     out.append("};")
     out.append("")
+    out.append("/* the 64-wide types (ISOQUANT3_64, ISOQUANT4_64): R = SO4 . WHT-64 . diag(S) with the first")
+    out.append(f" * {DIM64} signs and the first {DIM64 // 4} groups of the tables above, WHT scale float32(1/sqrt({DIM64})),")
+    out.append(f" * and Lloyd-Max codebooks of the R^{DIM64} marginal, f(x) ~ (1-x^2)^{(DIM64 - 3) / 2} (per-coordinate MSE")
+    out.append(f" * {t['cb3_64']['mse_per_coord']:.6e} (3-bit), {t['cb4_64']['mse_per_coord']:.6e} (4-bit); relative MSE per vector"
+               f" {DIM64 * t['cb3_64']['mse_per_coord']:.5f}, {DIM64 * t['cb4_64']['mse_per_coord']:.5f}) */")
+    out.append(f"static const float iq64_wht_scale = {_c_float(np.float32(1.0 / math.sqrt(DIM64)))};")
+    for name, key, n in (("iq3_64", "cb3_64", NLEVELS), ("iq4_64", "cb4_64", NLEVELS4)):
+        out.append("")
+        out.append(f"static const float {name}_codebook[{n}] = {{")
+        for r in range(0, n, 4):
+            out.append("    " + ", ".join(_c_float(v) for v in t[key]["codebook"][r:r + 4]) + ",")
+        out.append("};")
+        out.append("")
+        out.append(f"static const float {name}_bounds[{n - 1}] = {{")
+        for r in range(0, n - 1, 4):
+            out.append("    " + ", ".join(_c_float(v) for v in t[key]["bounds"][r:r + 4]) + ",")
+        out.append("};")
+    out.append("")
     return "\n".join(out)
 
 
@@ -397,6 +436,17 @@ def render_py(t: dict) -> str:
     out.append("")
     float_list("CODEBOOK4", cb4["codebook"])
     float_list("BOUNDS4", cb4["bounds"])
+    out.append(f"# ISOQUANT3_64 / ISOQUANT4_64 (head size {DIM64}): SIGNS[:{DIM64}], SO4/SO3[:{DIM64 // 4}],")
+    out.append(f"# WHT_SCALE_64 = float32(1/sqrt({DIM64})), Lloyd-Max codebooks of the R^{DIM64} marginal")
+    out.append(f"DIM64 = {DIM64}")
+    out.append(f"WHT_SCALE_64 = {_py_float(np.float32(1.0 / math.sqrt(DIM64)))}")
+    out.append(f"LLOYD_MSE_PER_COORD_64 = {float('%.6e' % t['cb3_64']['mse_per_coord'])!r}")
+    out.append(f"LLOYD_MSE_PER_COORD4_64 = {float('%.6e' % t['cb4_64']['mse_per_coord'])!r}")
+    out.append("")
+    float_list("CODEBOOK_64", t["cb3_64"]["codebook"])
+    float_list("BOUNDS_64", t["cb3_64"]["bounds"])
+    float_list("CODEBOOK4_64", t["cb4_64"]["codebook"])
+    float_list("BOUNDS4_64", t["cb4_64"]["bounds"])
     out.append("# unit quaternions (w, x, y, z) per group, float64 (reference): [q_L, q_R]")
     out.append("QUATERNIONS = [")
     for g in range(NGROUPS):
@@ -422,23 +472,26 @@ def render_py(t: dict) -> str:
 
 def _report_codebook(t: dict) -> list[str]:
     n = len(t["codebook"])
+    dim = t["dim"]
     return [
-        f"{n} levels: Lloyd-Max: {t['iterations']} iterations, last step {t['last_step']:.3e}, "
+        f"R^{dim}, {n} levels: Lloyd-Max: {t['iterations']} iterations, last step {t['last_step']:.3e}, "
         f"fixed-point residual {t['fixed_point_residual']:.3e}",
         f"per-coordinate MSE  closed form {t['mse_per_coord']:.12e}",
         f"                    quadrature  {t['mse_per_coord_quad']:.12e}",
         f"                    float32 cb  {t['mse_per_coord_f32']:.12e}",
-        f"relative MSE per 128-vector (x DIM): {DIM * t['mse_per_coord']:.6f}",
+        f"relative MSE per {dim}-vector (x dim): {dim * t['mse_per_coord']:.6f}",
         "codebook (float32): " + ", ".join("%.9g" % v for v in t["codebook"]),
         "bounds   (float32): " + ", ".join("%.9g" % v for v in t["bounds"]),
-        "codebook x sqrt(128): " + ", ".join("%.5f" % (v * math.sqrt(DIM)) for v in t["codebook_f64"]),
+        f"codebook x sqrt({dim}): " + ", ".join("%.5f" % (v * math.sqrt(dim)) for v in t["codebook_f64"]),
     ]
 
 
 def report(t: dict) -> str:
-    lines = _report_codebook(t) + _report_codebook(t["cb4"]) + [
+    lines = (_report_codebook(t) + _report_codebook(t["cb4"]) + _report_codebook(t["cb3_64"])
+             + _report_codebook(t["cb4_64"])) + [
         "signs S: " + "".join("+" if v > 0 else "-" for v in t["signs"])
-        + f"  ({t['signs_nneg']} negative; max |WHT(S)|/||S|| = {t['signs_dc_max']:.4f})",
+        + f"  ({t['signs_nneg']} negative; max |WHT(S)|/||S|| = {t['signs_dc_max']:.4f};"
+        f" S[:{DIM64}] under WHT-{DIM64}: {t['signs_dc_max64']:.4f})",
     ]
     return "\n".join(lines)
 

@@ -94,22 +94,22 @@ def test_defaults_are_preserve():
     assert not np.array_equal(iq.quantize_blocks(x), iq.quantize_blocks(x, norm_mode="raw"))
 
 
-def _cell_moments(lo, hi, n=200):
-    """(∫ f, ∫ x f) over [lo, hi] for f ∝ (1-x^2)^62.5 by Gauss-Legendre (numpy only)."""
+def _cell_moments(lo, hi, n=200, dim=DIM):
+    """(∫ f, ∫ x f) over [lo, hi] for f ∝ (1-x^2)^((dim-3)/2) by Gauss-Legendre (numpy only)."""
     xg, wg = np.polynomial.legendre.leggauss(n)
     x = 0.5 * (hi - lo) * xg + 0.5 * (hi + lo)
     w = 0.5 * (hi - lo) * wg
-    f = (1.0 - x * x) ** ((DIM - 3) / 2.0)
+    f = (1.0 - x * x) ** ((dim - 3) / 2.0)
     return float(np.sum(w * f)), float(np.sum(w * x * f))
 
 
-def _lloyd_update(cb, bnd):
+def _lloyd_update(cb, bnd, dim=DIM):
     t = np.concatenate(([-1.0], np.asarray(bnd, np.float64), [1.0]))
-    z = _cell_moments(-1.0, 1.0, 400)[0]
+    z = _cell_moments(-1.0, 1.0, 400, dim)[0]
     out, mse = [], 0.0
-    ex2 = 1.0 / DIM
+    ex2 = 1.0 / dim
     for k in range(len(cb)):
-        m0, m1 = _cell_moments(t[k], t[k + 1])
+        m0, m1 = _cell_moments(t[k], t[k + 1], dim=dim)
         out.append(m1 / m0)
         mse += (2.0 * cb[k] * m1 - cb[k] ** 2 * m0) / z
     return np.array(out), ex2 - mse
@@ -256,14 +256,18 @@ def test_v3_spreads_a_spike():
 # --------------------------------------------------------------------------
 
 def _spec_quantize(x, mode, variant="v3", bits=3):
-    """Literal scalar transcription of the spec (the future C code), one block."""
-    cb, bnd = (iq.CODEBOOK, iq.BOUNDS) if bits == 3 else (iq.CODEBOOK4, iq.BOUNDS4)
-    scale = iq.WHT_SCALE
+    """Literal scalar transcription of the spec (the future C code), one block of 128 or 64 values."""
+    DIM = len(x)  # noqa: N806  (128: ISOQUANT3_0/4_0; 64: ISOQUANT3_64/4_64)
+    if DIM == 64:
+        cb, bnd = (iq.CODEBOOK_64, iq.BOUNDS_64) if bits == 3 else (iq.CODEBOOK4_64, iq.BOUNDS4_64)
+    else:
+        cb, bnd = (iq.CODEBOOK, iq.BOUNDS) if bits == 3 else (iq.CODEBOOK4, iq.BOUNDS4)
+    scale = iq.WHT_SCALE if DIM == 128 else iq.WHT_SCALE_64
     mats = {"v3": iq.SO4, "v2": iq.SO4, "v1": iq.SO3, "none": None}[variant]
 
     def tree(a):
         a = list(a)
-        s = 64
+        s = DIM // 2
         while s >= 1:
             for i in range(s):
                 a[i] = a[i] + a[i + s]
@@ -284,7 +288,7 @@ def _spec_quantize(x, mode, variant="v3", bits=3):
         v = [vi * scale for vi in v]
     if mats is not None:
         y = []
-        for g in range(32):
+        for g in range(DIM // 4):
             m, u = mats[g], v[4 * g:4 * g + 4]
             y += [((m[r, 0] * u[0] + m[r, 1] * u[1]) + m[r, 2] * u[2]) + m[r, 3] * u[3]
                   for r in range(4)]
@@ -307,14 +311,18 @@ def _spec_quantize(x, mode, variant="v3", bits=3):
     if bits == 4:   # two indices per byte, the even one in the low nibble
         out += bytes(idx[2 * j] | (idx[2 * j + 1] << 4) for j in range(DIM // 2))
         return bytes(out)
-    for gi in range(16):
+    for gi in range(DIM // 8):
         w = sum(idx[8 * gi + k] << (3 * k) for k in range(8))
         out += bytes((w & 0xFF, (w >> 8) & 0xFF, w >> 16))
     return bytes(out)
 
 
-def _spec_dequantize(blk, variant="v3", bits=3):
-    cb, scale = iq.CODEBOOK if bits == 3 else iq.CODEBOOK4, iq.WHT_SCALE
+def _spec_dequantize(blk, variant="v3", bits=3, dim=DIM):
+    DIM = dim  # noqa: N806
+    if DIM == 64:
+        cb, scale = iq.CODEBOOK_64 if bits == 3 else iq.CODEBOOK4_64, iq.WHT_SCALE_64
+    else:
+        cb, scale = iq.CODEBOOK if bits == 3 else iq.CODEBOOK4, iq.WHT_SCALE
     mats = {"v3": iq.SO4, "v2": iq.SO4, "v1": iq.SO3, "none": None}[variant]
     blk = [int(t) for t in bytes(blk)]
     d = F32(struct.unpack("<e", bytes(blk[:2]))[0])
@@ -322,12 +330,12 @@ def _spec_dequantize(blk, variant="v3", bits=3):
     if bits == 4:
         for j in range(DIM // 2):
             y += [d * cb[blk[2 + j] & 15], d * cb[blk[2 + j] >> 4]]
-    for gi in range(16 if bits == 3 else 0):
+    for gi in range(DIM // 8 if bits == 3 else 0):
         w = blk[2 + 3 * gi] | (blk[3 + 3 * gi] << 8) | (blk[4 + 3 * gi] << 16)
         y += [d * cb[(w >> (3 * k)) & 7] for k in range(8)]
     if mats is not None:
         v = []
-        for g in range(32):
+        for g in range(DIM // 4):
             m, u = mats[g], y[4 * g:4 * g + 4]
             v += [((m[0, r] * u[0] + m[1, r] * u[1]) + m[2, r] * u[2]) + m[3, r] * u[3]
                   for r in range(4)]
@@ -647,3 +655,67 @@ def test_iq4_reconstruction_error_and_golden(gauss):
 
 GOLDEN4_SHA256 = "9ee89f3b4aad8405c745bbc3833c37adfb45dca204526b6c5a2c166fc4748fb3"
 GOLDEN4_DEQ_SHA256 = "21aa3a7aa4b4e85f49b1875cc91ddc69047b5d3486846364dc940ac8f70d3f2d"
+
+
+# --------------------------------------------------------------------------
+# ISOQUANT3_64 / ISOQUANT4_64: the 64-wide siblings (head size 64)
+# --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_qk64_header_and_codebook_fixed_point(bits):
+    """The 64-wide codebooks are the Lloyd-Max quantizers of the R^64 marginal (derived, not scaled)."""
+    cb64, bnd64 = iq.codebook(bits, 64), iq.bounds(bits, 64)
+    name = f"iq{bits}_64"
+    text = (ROOT / "ggml-patches" / "src" / "isoquant-tables.h").read_text()
+    for tbl, want in ((f"{name}_codebook[{2 ** bits}]", cb64), (f"{name}_bounds[{2 ** bits - 1}]", bnd64)):
+        body = text.split(f"static const float {tbl} = {{")[1].split("};")[0]
+        got = np.array([F32(float(t.strip().rstrip("f"))) for t in body.split(",") if t.strip()], dtype=F32)
+        np.testing.assert_array_equal(got, want)
+    cb, bnd = cb64.astype(np.float64), bnd64.astype(np.float64)
+    np.testing.assert_array_equal(cb64, -cb64[::-1])
+    np.testing.assert_allclose(bnd, 0.5 * (cb[:-1] + cb[1:]), rtol=0, atol=1e-8)
+    new, mse = _lloyd_update(cb, bnd, 64)
+    np.testing.assert_allclose(new, cb, rtol=0, atol=2e-8)
+    want_mse = tables.LLOYD_MSE_PER_COORD_64 if bits == 3 else tables.LLOYD_MSE_PER_COORD4_64
+    assert mse == pytest.approx(want_mse, rel=1e-5)
+    # the R^128 codebook rescaled to R^64 is not the optimum: a different, (slightly: 0.04 % / 0.1 %) worse quantizer
+    scaled = iq.codebook(bits).astype(np.float64) * math.sqrt(2.0)
+    assert np.max(np.abs(scaled - cb)) > 1e-4
+    assert _lloyd_update(scaled, 0.5 * (scaled[:-1] + scaled[1:]), 64)[1] > mse
+    assert iq.block_bytes(bits, 64) == {3: 26, 4: 34}[bits]
+
+
+def test_qk64_rotation_is_the_128_tables_first_half(gauss):
+    x = gauss[:500, :64]
+    y = iq.rotate(x, "v3", 64)
+    np.testing.assert_array_equal(y, iq._block_apply(iq.fwht(x * iq.SIGNS[:64], 64), iq.SO4[:16]))
+    np.testing.assert_allclose(iq.rotate_inverse(y, "v3", 64), x, rtol=0, atol=3e-6)
+    np.testing.assert_allclose((y.astype(np.float64) ** 2).sum(1), (x.astype(np.float64) ** 2).sum(1), rtol=2e-6)
+    with pytest.raises(ValueError):
+        iq.rotate(gauss[:4], "v3", 64)          # a 128-wide row is not a 64-wide block
+    with pytest.raises(ValueError):
+        iq.quantize_blocks(x, qk=96)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("mode,variant", [("preserve", "v3"), ("raw", "v3"), ("preserve", "v1"),
+                                          ("preserve", "v2"), ("preserve", "none")])
+def test_qk64_bit_exact_vs_scalar_spec(bits, mode, variant):
+    x = _edge_blocks()[:, :64].copy()
+    got = iq.quantize_blocks(x, norm_mode=mode, variant=variant, bits=bits, qk=64)
+    assert got.shape == (x.shape[0], iq.block_bytes(bits, 64))
+    deq = iq.dequantize_blocks(got, variant=variant, bits=bits, qk=64)
+    for i in range(x.shape[0]):
+        assert bytes(got[i]) == _spec_quantize(x[i], mode, variant, bits=bits), f"block {i}"
+        np.testing.assert_array_equal(deq[i].view(np.uint32),
+                                      _spec_dequantize(got[i], variant, bits=bits, dim=64).view(np.uint32))
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_qk64_reconstruction_error_matches_lloyd_max_prediction(gauss, bits):
+    x = gauss[:, :64].copy()
+    xr = iq.dequantize_row(iq.quantize_row(x, bits=bits, qk=64), bits=bits, qk=64).reshape(x.shape)
+    x64, r64 = x.astype(np.float64), xr.astype(np.float64)
+    rel = ((x64 - r64) ** 2).sum(1) / (x64 ** 2).sum(1)
+    pred = 64 * (tables.LLOYD_MSE_PER_COORD_64 if bits == 3 else tables.LLOYD_MSE_PER_COORD4_64)
+    assert 0.94 * pred < rel.mean() < 1.06 * pred
