@@ -40,11 +40,13 @@ class GGMLType(IntEnum):
     ISOQUANT3_0 = 240
     ITQ3_S = 241
     ISOQUANT4_0 = 244
+    ISOQUANT3_64 = 245  # the 64-value-block siblings (head size 64)
+    ISOQUANT4_64 = 246
 
 
 COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows",  # both IsoQuant types
             "kv_deferred_cells", "kv_deferred_conversions", "kv_deferred_bytes", "kv_deferred_peak_bytes")
-ISO_TYPES = ("isoquant3_0", "isoquant4_0")
+ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
 

@@ -14,23 +14,44 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 3   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters
+#define GGML_RQ_VERSION 4   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
+                            // 4: the 64-wide types ISOQUANT3_64/ISOQUANT4_64 (ISOQ_Q64), *_qk rotation/codebook
 
 GGML_API int ggml_rq_version(void);
 
-// the IsoQuant KV-cache types: the same rotation and norm-preserving scale, a 3- or 4-bit codebook
+// the IsoQuant KV-cache types: the same rotation and norm-preserving scale, a 3- or 4-bit codebook, on
+// 128-value blocks (ISOQUANT3_0/4_0) or 64-value blocks (ISOQUANT3_64/4_64, for head size 64)
 static inline bool ggml_rq_type_is_iso(enum ggml_type type) {
-    return type == GGML_TYPE_ISOQUANT3_0 || type == GGML_TYPE_ISOQUANT4_0;
+    return type == GGML_TYPE_ISOQUANT3_0  || type == GGML_TYPE_ISOQUANT4_0 ||
+           type == GGML_TYPE_ISOQUANT3_64 || type == GGML_TYPE_ISOQUANT4_64;
 }
 
 // index width of an IsoQuant type (3 or 4), 0 for any other type
 static inline int ggml_rq_iso_bits(enum ggml_type type) {
-    return type == GGML_TYPE_ISOQUANT3_0 ? 3 : type == GGML_TYPE_ISOQUANT4_0 ? 4 : 0;
+    return type == GGML_TYPE_ISOQUANT3_0 || type == GGML_TYPE_ISOQUANT3_64 ? 3 :
+           type == GGML_TYPE_ISOQUANT4_0 || type == GGML_TYPE_ISOQUANT4_64 ? 4 : 0;
 }
 
-// counters (relaxed atomics, process-wide); "IsoQuant" = ISOQUANT3_0 and ISOQUANT4_0 together
+// block width of an IsoQuant type (128 or 64; its rotation's width), 0 for any other type
+static inline int ggml_rq_iso_qk(enum ggml_type type) {
+    return type == GGML_TYPE_ISOQUANT3_0  || type == GGML_TYPE_ISOQUANT4_0  ? 128 :
+           type == GGML_TYPE_ISOQUANT3_64 || type == GGML_TYPE_ISOQUANT4_64 ?  64 : 0;
+}
+
+// the IsoQuant type of `bits`-bit indices on `qk`-value blocks (GGML_TYPE_COUNT if there is none)
+static inline enum ggml_type ggml_rq_iso_type(int bits, int qk) {
+    if (qk == 128) {
+        return bits == 3 ? GGML_TYPE_ISOQUANT3_0 : bits == 4 ? GGML_TYPE_ISOQUANT4_0 : GGML_TYPE_COUNT;
+    }
+    if (qk == 64) {
+        return bits == 3 ? GGML_TYPE_ISOQUANT3_64 : bits == 4 ? GGML_TYPE_ISOQUANT4_64 : GGML_TYPE_COUNT;
+    }
+    return GGML_TYPE_COUNT;
+}
+
+// counters (relaxed atomics, process-wide); "IsoQuant" = all four IsoQuant types together
 enum ggml_rq_counter {
-    GGML_RQ_ISO_DEQUANT_ROWS = 0, // IsoQuant blocks (128 values) turned back into floats, by anyone
+    GGML_RQ_ISO_DEQUANT_ROWS = 0, // IsoQuant blocks (128 or 64 values) turned back into floats, by anyone
     GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read IsoQuant K/V in the rotated domain
     GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
     GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
@@ -90,11 +111,16 @@ GGML_API bool ggml_rq_iso_get_skip_inverse(void);
 // R and R^T of the current variant on one 128-value block (in place allowed)
 GGML_API void ggml_rq_iso_rotate    (const float * x, float * y);
 GGML_API void ggml_rq_iso_rotate_inv(const float * y, float * x);
+// the same on one qk-value block, qk = 128 or 64 (the 64-wide types' rotation)
+GGML_API void ggml_rq_iso_rotate_qk    (const float * x, float * y, int qk);
+GGML_API void ggml_rq_iso_rotate_inv_qk(const float * y, float * x, int qk);
 
 // the 3-bit Lloyd-Max codebook for a coordinate of a rotated unit 128-vector
 GGML_API const float * ggml_rq_iso_codebook(void);
 // the codebook of `bits`-bit indices (3: 8 levels, ISOQUANT3_0; 4: 16 levels, ISOQUANT4_0)
 GGML_API const float * ggml_rq_iso_codebook_bits(int bits);
+// the codebook of `bits`-bit indices on qk-value blocks (qk = 64: ISOQUANT3_64/4_64, a wider marginal)
+GGML_API const float * ggml_rq_iso_codebook_qk(int bits, int qk);
 
 #ifdef __cplusplus
 }

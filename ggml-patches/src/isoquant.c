@@ -1,4 +1,5 @@
-// ISOQUANT3_0/ISOQUANT4_0 reference quantisers/dequantisers, the IsoQuant rotation, counters and switches.
+// ISOQUANT3_0/ISOQUANT4_0 (128-value blocks) and ISOQUANT3_64/ISOQUANT4_64 (64-value blocks, head size 64)
+// reference quantisers/dequantisers, the IsoQuant rotation, counters and switches.
 // Part of ggml-base. Compiled with -ffp-contract=off: the numpy reference in
 // rotaryquant/quants/isoquant.py follows the same operation order and matches bit for bit.
 //
@@ -7,6 +8,8 @@
 //   dequantise: x' = R^T (d * c[idx])
 // S is a fixed random +-1 vector: without it the WHT maps a constant offset across channels onto a
 // single coordinate, which the scalar codebook then quantises badly.
+// Block width qk = 128 or 64: the 64-wide rotation is WHT-64 with the first 64 signs and the first 16 SO(4)
+// (SO(3)) groups of the 128 tables; each width has its own Lloyd-Max codebooks (isoquant-tables.h).
 
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
@@ -197,20 +200,34 @@ const float * ggml_rq_iso_codebook(void) {
 }
 
 const float * ggml_rq_iso_codebook_bits(int bits) {
-    GGML_ASSERT(bits == 3 || bits == 4);
+    return ggml_rq_iso_codebook_qk(bits, QK_ISO);
+}
+
+const float * ggml_rq_iso_codebook_qk(int bits, int qk) {
+    GGML_ASSERT((bits == 3 || bits == 4) && (qk == QK_ISO || qk == QK_ISO64));
+    if (qk == QK_ISO64) {
+        return bits == 3 ? iq3_64_codebook : iq4_64_codebook;
+    }
     return bits == 3 ? iq3_codebook : iq4_codebook;
+}
+
+static const float * iso_bounds(int bits, int qk) {
+    if (qk == QK_ISO64) {
+        return bits == 3 ? iq3_64_bounds : iq4_64_bounds;
+    }
+    return bits == 3 ? iq3_bounds : iq4_bounds;
 }
 
 // ---------------------------------------------------------------------------------------------
 // the rotation R = SO4 o WHT (variant v3), exact operation order shared with numpy
 
-static void iq3_fwht(float * v) {
-    ggml_rq_wht(v, QK_ISO, iq3_wht_scale);
+static void iq3_fwht(float * v, int qk) {
+    ggml_rq_wht(v, qk, qk == QK_ISO64 ? iq64_wht_scale : iq3_wht_scale);
 }
 
-// y = M u per group of 4 (M row-major), or y = M^T u with transpose
-static void iq3_blocks(const float (*M)[16], const float * u, float * y, bool transpose) {
-    for (int g = 0; g < QK_ISO/4; ++g) {
+// y = M u per group of 4 (M row-major), or y = M^T u with transpose; groups 0 .. qk/4-1
+static void iq3_blocks(const float (*M)[16], const float * u, float * y, bool transpose, int qk) {
+    for (int g = 0; g < qk/4; ++g) {
         const float * m = M[g];
         const float u0 = u[4*g+0], u1 = u[4*g+1], u2 = u[4*g+2], u3 = u[4*g+3];
         for (int r = 0; r < 4; ++r) {
@@ -223,53 +240,64 @@ static void iq3_blocks(const float (*M)[16], const float * u, float * y, bool tr
     }
 }
 
-void ggml_rq_iso_rotate(const float * x, float * y) {
+void ggml_rq_iso_rotate_qk(const float * x, float * y, int qk) {
+    GGML_ASSERT(qk == QK_ISO || qk == QK_ISO64);
     const enum ggml_rq_iso_variant v = ggml_rq_iso_get_variant();
     float t[QK_ISO];
     if (v == GGML_RQ_ISO_V3 || v == GGML_RQ_ISO_V1) {
-        for (int i = 0; i < QK_ISO; ++i) {
+        for (int i = 0; i < qk; ++i) {
             t[i] = x[i] * iq3_signs[i];
         }
-        iq3_fwht(t);
+        iq3_fwht(t, qk);
     } else {
-        memcpy(t, x, sizeof(t));
+        memcpy(t, x, qk*sizeof(float));
     }
     switch (v) {
         case GGML_RQ_ISO_V3:
-        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, t, y, false); break;
-        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, t, y, false); break;
-        case GGML_RQ_ISO_NONE: memcpy(y, t, sizeof(t)); break;
+        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, t, y, false, qk); break;
+        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, t, y, false, qk); break;
+        case GGML_RQ_ISO_NONE: memcpy(y, t, qk*sizeof(float)); break;
     }
 }
 
-void ggml_rq_iso_rotate_inv(const float * y, float * x) {
+void ggml_rq_iso_rotate_inv_qk(const float * y, float * x, int qk) {
+    GGML_ASSERT(qk == QK_ISO || qk == QK_ISO64);
     const enum ggml_rq_iso_variant v = ggml_rq_iso_get_variant();
     float t[QK_ISO];
     switch (v) {
         case GGML_RQ_ISO_V3:
-        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, y, t, true); break;
-        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, y, t, true); break;
-        case GGML_RQ_ISO_NONE: memcpy(t, y, sizeof(t)); break;
+        case GGML_RQ_ISO_V2:   iq3_blocks(iq3_so4, y, t, true, qk); break;
+        case GGML_RQ_ISO_V1:   iq3_blocks(iq3_so3, y, t, true, qk); break;
+        case GGML_RQ_ISO_NONE: memcpy(t, y, qk*sizeof(float)); break;
     }
     if (v == GGML_RQ_ISO_V3 || v == GGML_RQ_ISO_V1) {
-        iq3_fwht(t);
-        for (int i = 0; i < QK_ISO; ++i) {
+        iq3_fwht(t, qk);
+        for (int i = 0; i < qk; ++i) {
             t[i] *= iq3_signs[i];
         }
     }
-    memcpy(x, t, sizeof(t));
+    memcpy(x, t, qk*sizeof(float));
+}
+
+void ggml_rq_iso_rotate(const float * x, float * y) {
+    ggml_rq_iso_rotate_qk(x, y, QK_ISO);
+}
+
+void ggml_rq_iso_rotate_inv(const float * y, float * x) {
+    ggml_rq_iso_rotate_inv_qk(y, x, QK_ISO);
 }
 
 // ---------------------------------------------------------------------------------------------
-// ISOQUANT3_0 / ISOQUANT4_0: one implementation, `bits` = 3 or 4 selects the codebook and the packing
+// ISOQUANT3_0 / ISOQUANT4_0 / ISOQUANT3_64 / ISOQUANT4_64: one implementation; `bits` = 3 or 4 selects the
+// codebook and the packing, `qk` = 128 or 64 the block width
 
-// sum of squares as a fixed float64 tree (the order the numpy and CUDA versions use)
-static double iq3_tree_sumsq(const float * GGML_RESTRICT x) {
+// sum of squares of qk values as a fixed float64 tree (the order the numpy and CUDA versions use)
+static double iq3_tree_sumsq(const float * GGML_RESTRICT x, int qk) {
     double a[QK_ISO];
-    for (int i = 0; i < QK_ISO; ++i) {
+    for (int i = 0; i < qk; ++i) {
         a[i] = (double) x[i] * (double) x[i];
     }
-    for (int s = QK_ISO/2; s > 0; s >>= 1) {
+    for (int s = qk/2; s > 0; s >>= 1) {
         for (int i = 0; i < s; ++i) {
             a[i] = a[i] + a[i + s];
         }
@@ -277,33 +305,33 @@ static double iq3_tree_sumsq(const float * GGML_RESTRICT x) {
     return a[0];
 }
 
-// the block of `bits`-bit indices: d (fp16) then QK_ISO*bits/8 bytes; both block structs have this layout
-static inline size_t iso_block_size(int bits) {
-    return sizeof(ggml_half) + QK_ISO*bits/8;
+// the block of `bits`-bit indices: d (fp16) then qk*bits/8 bytes; all four block structs have this layout
+static inline size_t iso_block_size(int bits, int qk) {
+    return sizeof(ggml_half) + qk*bits/8;
 }
 
-static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits) {
-    assert(k % QK_ISO == 0);
-    const int64_t nb = k / QK_ISO;
-    const float * cb   = ggml_rq_iso_codebook_bits(bits);
-    const float * bnd  = bits == 3 ? iq3_bounds : iq4_bounds;
+static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+    assert(k % qk == 0);
+    const int64_t nb = k / qk;
+    const float * cb   = ggml_rq_iso_codebook_qk(bits, qk);
+    const float * bnd  = iso_bounds(bits, qk);
     const int     nbnd = (1 << bits) - 1;
 
     for (int64_t ib = 0; ib < nb; ++ib) {
-        const float * xb  = x + ib*QK_ISO;
-        uint8_t     * blk = y + ib*iso_block_size(bits);
+        const float * xb  = x + ib*qk;
+        uint8_t     * blk = y + ib*iso_block_size(bits, qk);
         uint8_t     * qs  = blk + sizeof(ggml_half);
-        const double sd = sqrt(iq3_tree_sumsq(xb));
+        const double sd = sqrt(iq3_tree_sumsq(xb, qk));
 
         float xh[QK_ISO];
         float yr[QK_ISO];
-        for (int i = 0; i < QK_ISO; ++i) {
+        for (int i = 0; i < qk; ++i) {
             xh[i] = sd > 0.0 ? (float) ((double) xb[i] / sd) : 0.0f;
         }
-        ggml_rq_iso_rotate(xh, yr);
+        ggml_rq_iso_rotate_qk(xh, yr, qk);
 
         float c[QK_ISO];
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
             uint32_t w = 0;
             for (int j = 0; j < 8; ++j) {
                 int idx = 0;  // #{k : y > bounds[k]} (strict; a NaN gives 0)
@@ -319,60 +347,70 @@ static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTR
         }
 
         // norm-preserving scale: ||d c|| = ||x||; the codebooks have no zero level, so ||c|| > 0
-        const double dd = sd / sqrt(iq3_tree_sumsq(c));
+        const double dd = sd / sqrt(iq3_tree_sumsq(c, qk));
         const ggml_half d = GGML_FP32_TO_FP16((float) (dd < 65504.0 ? dd : 65504.0));
         memcpy(blk, &d, sizeof(d));
     }
     ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nb);
 }
 
-static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits) {
-    assert(k % QK_ISO == 0);
-    const int64_t  nb   = k / QK_ISO;
-    const float  * cb   = ggml_rq_iso_codebook_bits(bits);
+static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+    assert(k % qk == 0);
+    const int64_t  nb   = k / qk;
+    const float  * cb   = ggml_rq_iso_codebook_qk(bits, qk);
     const uint32_t mask = (1u << bits) - 1;
 
     for (int64_t ib = 0; ib < nb; ++ib) {
-        const uint8_t * blk = x + ib*iso_block_size(bits);
+        const uint8_t * blk = x + ib*iso_block_size(bits, qk);
         ggml_half dh;
         memcpy(&dh, blk, sizeof(dh));
         const float d = GGML_FP16_TO_FP32(dh);
         float yr[QK_ISO];
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
             const uint32_t w = ggml_rq_iso_word(blk + sizeof(ggml_half), g, bits);
             for (int j = 0; j < 8; ++j) {
                 yr[8*g + j] = d * cb[(w >> (bits*j)) & mask];
             }
         }
-        ggml_rq_iso_rotate_inv(yr, y + ib*QK_ISO);
+        ggml_rq_iso_rotate_inv_qk(yr, y + ib*qk, qk);
     }
     ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
 }
 
 // the public entry points of one type (ggml's traits and ggml_quantize_chunk call these)
-#define ISO_TYPE_API(name, bits)                                                                                 \
+#define ISO_TYPE_API(name, bits, qk)                                                                             \
 void quantize_row_##name##_ref(const float * GGML_RESTRICT x, block_##name * GGML_RESTRICT y, int64_t k) {         \
-    iso_quantize_row(x, (uint8_t *) y, k, bits);                                                                 \
+    iso_quantize_row(x, (uint8_t *) y, k, bits, qk);                                                             \
 }                                                                                                                \
 void dequantize_row_##name(const block_##name * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k) {             \
-    iso_dequantize_row((const uint8_t *) x, y, k, bits);                                                         \
+    iso_dequantize_row((const uint8_t *) x, y, k, bits, qk);                                                     \
 }                                                                                                                \
 size_t quantize_##name(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, \
                        const float * imatrix) {                                                                  \
     GGML_UNUSED(imatrix); /* KV-cache type: no importance weighting */                                           \
-    iso_quantize_row(src, (uint8_t *) dst, nrow*n_per_row, bits);                                                \
-    return nrow * iso_block_size(bits) * (n_per_row / QK_ISO);                                                   \
+    iso_quantize_row(src, (uint8_t *) dst, nrow*n_per_row, bits, qk);                                            \
+    return nrow * iso_block_size(bits, qk) * (n_per_row / qk);                                                   \
 }
 
-ISO_TYPE_API(isoquant3_0, 3)
-ISO_TYPE_API(isoquant4_0, 4)
+ISO_TYPE_API(isoquant3_0,  3, QK_ISO)
+ISO_TYPE_API(isoquant4_0,  4, QK_ISO)
+ISO_TYPE_API(isoquant3_64, 3, QK_ISO64)
+ISO_TYPE_API(isoquant4_64, 4, QK_ISO64)
 
 // ---------------------------------------------------------------------------------------------
-// ISOQ_Q: the rotated query (vec_dot_type of ISOQUANT3_0/4_0); not normalised, not quantised
+// ISOQ_Q / ISOQ_Q64: the rotated query (vec_dot_type of ISOQUANT3_0/4_0 / ISOQUANT3_64/4_64); not
+// normalised, not quantised
 
 void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_ISO == 0);
     for (int64_t ib = 0; ib < k / QK_ISO; ++ib) {
         ggml_rq_iso_rotate(x + ib*QK_ISO, y[ib].qr);
+    }
+}
+
+void quantize_row_isoq_q64_ref(const float * GGML_RESTRICT x, block_isoq_q64 * GGML_RESTRICT y, int64_t k) {
+    assert(k % QK_ISO64 == 0);
+    for (int64_t ib = 0; ib < k / QK_ISO64; ++ib) {
+        ggml_rq_iso_rotate_qk(x + ib*QK_ISO64, y[ib].qr, QK_ISO64);
     }
 }

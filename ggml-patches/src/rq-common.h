@@ -20,12 +20,33 @@ typedef struct {
 } block_isoquant4_0;
 static_assert(sizeof(block_isoquant4_0) == sizeof(ggml_half) + QK_ISO*4/8, "wrong isoquant4_0 block size/padding");
 
+// ISOQUANT3_64 / ISOQUANT4_64: the same formats on 64-value blocks (head size 64): WHT-64 + 16 SO(4) blocks and
+// the Lloyd-Max codebooks of a unit 64-vector's coordinate; 26 / 34 bytes per 64 values (3.25 / 4.25 bits).
+#define QK_ISO64 64
+typedef struct {
+    ggml_half d;
+    uint8_t   qs[QK_ISO64*3/8];
+} block_isoquant3_64;
+static_assert(sizeof(block_isoquant3_64) == sizeof(ggml_half) + QK_ISO64*3/8, "wrong isoquant3_64 block size/padding");
+
+typedef struct {
+    ggml_half d;
+    uint8_t   qs[QK_ISO64*4/8];
+} block_isoquant4_64;
+static_assert(sizeof(block_isoquant4_64) == sizeof(ggml_half) + QK_ISO64*4/8, "wrong isoquant4_64 block size/padding");
+
 // ISOQ_Q (internal): a query block already rotated by R, in F32; ISOQUANT3_0/4_0's vec_dot_type, so that
 // flash attention and mul_mat rotate each query row once and score packed keys directly.
 typedef struct {
     float qr[QK_ISO];
 } block_isoq_q;
 static_assert(sizeof(block_isoq_q) == QK_ISO*sizeof(float), "wrong isoq_q block size/padding");
+
+// ISOQ_Q64 (internal): the same for the 64-wide rotation; vec_dot_type of ISOQUANT3_64/4_64.
+typedef struct {
+    float qr[QK_ISO64];
+} block_isoq_q64;
+static_assert(sizeof(block_isoq_q64) == QK_ISO64*sizeof(float), "wrong isoq_q64 block size/padding");
 
 // ITQ3_S: 256 weights after signs and the normalised FWHT-256, as 3-bit codes on a shared 8-level
 // grid: w_rot[i] = d * grid[q_i] + m. qs: low 2 bits of codes j, 64+j, 128+j, 192+j in qs[j];

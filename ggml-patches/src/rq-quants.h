@@ -13,7 +13,15 @@ GGML_API void quantize_row_isoquant4_0_ref(const float * GGML_RESTRICT x, block_
 GGML_API void dequantize_row_isoquant4_0(const block_isoquant4_0 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
 GGML_API size_t quantize_isoquant4_0(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 
-// IsoQuant packing, both widths: group g of 8 indices is the `bits`-byte little-endian word at qs[bits*g],
+GGML_API void quantize_row_isoquant3_64_ref(const float * GGML_RESTRICT x, block_isoquant3_64 * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_isoquant3_64(const block_isoquant3_64 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API size_t quantize_isoquant3_64(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
+
+GGML_API void quantize_row_isoquant4_64_ref(const float * GGML_RESTRICT x, block_isoquant4_64 * GGML_RESTRICT y, int64_t k);
+GGML_API void dequantize_row_isoquant4_64(const block_isoquant4_64 * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
+GGML_API size_t quantize_isoquant4_64(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
+
+// IsoQuant packing, both index widths: group g of 8 indices is the `bits`-byte little-endian word at qs[bits*g],
 // index k its bits bits*k .. bits*k + bits-1
 static inline uint32_t ggml_rq_iso_word(const uint8_t * qs, int g, int bits) {
     uint32_t w = 0;
@@ -24,6 +32,7 @@ static inline uint32_t ggml_rq_iso_word(const uint8_t * qs, int g, int bits) {
 }
 
 GGML_API void quantize_row_isoq_q_ref(const float * GGML_RESTRICT x, block_isoq_q * GGML_RESTRICT y, int64_t k);
+GGML_API void quantize_row_isoq_q64_ref(const float * GGML_RESTRICT x, block_isoq_q64 * GGML_RESTRICT y, int64_t k);
 
 GGML_API void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_RESTRICT y, int64_t k);
 GGML_API void dequantize_row_itq3_s(const block_itq3_s * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k);
@@ -32,7 +41,7 @@ GGML_API size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RES
 GGML_API void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k);
 
 // the Walsh-Hadamard transform of n = 2^k values in place, then v *= scale (1/sqrt(n): its own inverse);
-// isoquant.c (n = 128) and itq3.c (n = 256). The numpy references and rq_wht_warp (CUDA) keep this order.
+// isoquant.c (n = 128, 64) and itq3.c (n = 256). The numpy references and rq_wht_warp (CUDA) keep this order.
 static inline void ggml_rq_wht(float * GGML_RESTRICT v, const int n, const float scale) {
     for (int h = 1; h < n; h <<= 1) {
         for (int i = 0; i < n; i += 2*h) {

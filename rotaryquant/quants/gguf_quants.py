@@ -1,4 +1,4 @@
-"""gguf-py's quantiser classes of our types: ITQ3_S, ISOQUANT3_0, ISOQUANT4_0.
+"""gguf-py's quantiser classes of our types: ITQ3_S, ISOQUANT3_0, ISOQUANT4_0, ISOQUANT3_64, ISOQUANT4_64.
 
 ``gguf.quants`` keeps one small class per type (``quantize_blocks`` / ``dequantize_blocks`` over numpy
 block arrays), registered in its type table by the class statement itself (``__Quant.__init_subclass__``).
@@ -34,20 +34,23 @@ def register(base: type) -> tuple[type, ...]:
         def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
             return itq3.dequantize_blocks(blocks)
 
-    def isoquant_class(bits: int, qtype: QT) -> type:
+    def isoquant_class(bits: int, qtype: QT, qk: int = 128) -> type:
         class IsoQuant(base, qtype=qtype):
             @classmethod
             def quantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-                return isoquant.quantize_blocks(blocks, bits=bits)
+                return isoquant.quantize_blocks(blocks, bits=bits, qk=qk)
 
             @classmethod
             def dequantize_blocks(cls, blocks: np.ndarray) -> np.ndarray:
-                return isoquant.dequantize_blocks(blocks, bits=bits)
+                return isoquant.dequantize_blocks(blocks, bits=bits, qk=qk)
 
         IsoQuant.__name__ = IsoQuant.__qualname__ = qtype.name
         return IsoQuant
 
     ISOQUANT3_0 = isoquant_class(3, QT.ISOQUANT3_0)
     ISOQUANT4_0 = isoquant_class(4, QT.ISOQUANT4_0)
-
-    return ITQ3_S, ISOQUANT3_0, ISOQUANT4_0
+    classes = (ITQ3_S, ISOQUANT3_0, ISOQUANT4_0)
+    # the 64-wide types (GGML_RQ_VERSION 4), when this gguf-py knows them
+    if hasattr(QT, "ISOQUANT3_64") and hasattr(QT, "ISOQUANT4_64"):
+        classes += (isoquant_class(3, QT.ISOQUANT3_64, 64), isoquant_class(4, QT.ISOQUANT4_64, 64))
+    return classes

@@ -5,7 +5,7 @@
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 LLAMA=$REPO/build/src/llama-cpp-python/vendor/llama.cpp
 JOBS=${JOBS:-$(nproc)}
-RQ_TYPES="isoquant3_0|isoquant4_0|itq3_s"
+RQ_TYPES="isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s"
 RQ_OPS="FLASH_ATTN_EXT GET_ROWS SET_ROWS CPY MUL_MAT MUL_MAT_ID"
 T0=$(date +%s)
 

@@ -1,6 +1,7 @@
 // Fused IsoQuant flash attention against its slow twin.
 //
-// The fused CPU path scores packed IsoQuant (ISOQUANT3_0, ISOQUANT4_0) keys against a rotated query and accumulates V in the
+// The fused CPU path scores packed IsoQuant (ISOQUANT3_0, ISOQUANT4_0, and the 64-value-block ISOQUANT3_64,
+// ISOQUANT4_64) keys against a rotated query and accumulates V in the
 // rotated domain, rotating back once per row. The twin dequantises K/V with the type's to_float
 // (bit-exact with the numpy reference) and runs ordinary F32 flash attention. Both see the same
 // packed data, so they must agree to float rounding. Counters must show the fused path ran and the
@@ -92,10 +93,15 @@ int main() {
     std::mt19937 rng(42);
 
     const int n_head = 4, n_head_kv = 2;
-    const ggml_type I3 = GGML_TYPE_ISOQUANT3_0, I4 = GGML_TYPE_ISOQUANT4_0;
-    double sum_e4 = 0.0, sum_e3 = 0.0; // attention errors vs F32 of both widths on the same data
-    for (ggml_type it : {I3, I4})
-    for (int hs : {128, 256}) {
+    double sum_e4 = 0.0, sum_e3 = 0.0; // attention errors vs F32 of both index widths on the same data
+    for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_ISOQUANT3_64, GGML_TYPE_ISOQUANT4_64})
+    for (int hs : {64, 128, 256}) {
+        const int qk = ggml_rq_iso_qk(it);
+        if (hs % qk != 0) {
+            continue;
+        }
+        // the 3- and 4-bit types of this block width
+        const ggml_type I3 = ggml_rq_iso_type(3, qk), I4 = ggml_rq_iso_type(4, qk);
         for (int n_kv : {1, 7, 300}) {
             for (int n_q : {1, 3}) {
                 std::vector<float> q((size_t) hs*n_q*n_head), k((size_t) hs*n_kv*n_head_kv), v(k.size());
@@ -148,7 +154,7 @@ int main() {
                     const std::vector<float> ref = attend(GGML_TYPE_F32, GGML_TYPE_F32, q, kd, vd, hs, n_q, n_head, n_kv, n_head_kv);
                     const double e = rel_err(unf, ref);
                     CHECK(e < 5e-3, "%s hs=%d n_kv=%d n_q=%d unfused (F16 cast) vs dequantised-F32 rel err %.3g", tn, hs, n_kv, n_q, e);
-                    CHECK(deq == (uint64_t) 2*n_kv*n_head_kv*(hs/128), "unfused dequantised %llu rows", (unsigned long long) deq);
+                    CHECK(deq == (uint64_t) 2*n_kv*n_head_kv*(hs/qk), "unfused dequantised %llu rows", (unsigned long long) deq);
                 }
 
                 // the type itself against unquantised attention: a garbage detector, not a quality claim
@@ -189,10 +195,10 @@ int main() {
 
     // the codebook lookup of every SIMD path, bit for bit: the dot product with a one-hot query is one
     // codebook value times the block norm, rounded once, whatever the summation order
-    for (ggml_type t : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0}) {
-        const int bits = t == GGML_TYPE_ISOQUANT3_0 ? 3 : 4, n = 2*128;
-        const size_t bs = ggml_row_size(t, 128);
-        const float * cb = ggml_rq_iso_codebook_bits(bits);
+    for (ggml_type t : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_ISOQUANT3_64, GGML_TYPE_ISOQUANT4_64}) {
+        const int bits = ggml_rq_iso_bits(t), qk = ggml_rq_iso_qk(t), n = 2*qk;
+        const size_t bs = ggml_row_size(t, qk);
+        const float * cb = ggml_rq_iso_codebook_qk(bits, qk);
         std::vector<uint8_t> x(2*bs);
         for (auto & b : x) b = (uint8_t) rng();
         const ggml_fp16_t d[2] = { ggml_fp32_to_fp16(0.8125f), ggml_fp32_to_fp16(-3.5f) };
@@ -204,11 +210,11 @@ int main() {
             std::vector<float> q(n, 0.0f);
             q[i] = 1.0f;
             // index k of group g: bits bits*k.. of the little-endian word at qs[bits*g] (ggml-rq/rq-common.h)
-            const uint8_t * qs = &x[(i/128)*bs + sizeof(ggml_fp16_t)];
-            const int g = (i % 128)/8, k = i % 8;
+            const uint8_t * qs = &x[(i/qk)*bs + sizeof(ggml_fp16_t)];
+            const int g = (i % qk)/8, k = i % 8;
             uint32_t w = 0;
             for (int b = 0; b < bits; ++b) w |= (uint32_t) qs[bits*g + b] << (8*b);
-            const float want = ggml_fp16_to_fp32(d[i/128]) * cb[(w >> (bits*k)) & ((1u << bits) - 1)];
+            const float want = ggml_fp16_to_fp32(d[i/qk]) * cb[(w >> (bits*k)) & ((1u << bits) - 1)];
             float got;
             vec_dot(n, &got, 0, x.data(), 0, q.data(), 0, 1);
             n_bad += memcmp(&got, &want, sizeof(got)) != 0;

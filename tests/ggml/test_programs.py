@@ -37,6 +37,10 @@ def test_upstream_quantize_fns(bin_dir):
     assert "isoquant3_0 dot product error:              ok" in out
     assert "isoquant4_0 absolute quantization error:    ok" in out
     assert "isoquant4_0 dot product error:              ok" in out
+    assert "isoquant3_64 absolute quantization error:    ok" in out
+    assert "isoquant3_64 dot product error:              ok" in out
+    assert "isoquant4_64 absolute quantization error:    ok" in out
+    assert "isoquant4_64 dot product error:              ok" in out
     assert "itq3_s absolute quantization error:    ok" in out
     assert "itq3_s dot product error:              ok" in out
 
@@ -45,7 +49,7 @@ def test_upstream_quantize_fns(bin_dir):
 @pytest.mark.parametrize("op", ["FLASH_ATTN_EXT", "GET_ROWS", "SET_ROWS", "CPY", "MUL_MAT", "MUL_MAT_ID"])
 def test_backend_ops_cpu_rotaryquant_types(bin_dir, op):
     # -b CPU: the optimised CPU backend (fused paths) against the same backend in reference mode
-    rc, out = _run([bin_dir / "test-backend-ops", "test", "-b", "CPU", "-o", op, "-p", "isoquant3_0|isoquant4_0|itq3_s"])
+    rc, out = _run([bin_dir / "test-backend-ops", "test", "-b", "CPU", "-o", op, "-p", "isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s"])
     assert rc == 0, out[-4000:]
     n_ok = out.count("OK")
     assert n_ok > 0 and "FAIL" not in out, out[-4000:]

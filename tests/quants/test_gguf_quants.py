@@ -1,4 +1,4 @@
-"""gguf-py knows our types: gguf.quants (de)quantises ITQ3_S, ISOQUANT3_0 and ISOQUANT4_0 byte for byte as
+"""gguf-py knows our types: gguf.quants (de)quantises ITQ3_S and the IsoQuant types byte for byte as
 the C library does (upstream's gguf-py/tests/test_quants.py check, for our types), GGUFReader reads
 tensors of them back, and gguf-dump names them. The classes come from rotaryquant.quants.gguf_quants,
 registered by the hook patch 0005 adds at the end of gguf/quants.py."""
@@ -19,7 +19,8 @@ from rotaryquant import bindings
 from rotaryquant.quants import isoquant, itq3
 
 QT = GGMLQuantizationType
-OURS = (QT.ITQ3_S, QT.ISOQUANT3_0, QT.ISOQUANT4_0)
+OURS = (QT.ITQ3_S, QT.ISOQUANT3_0, QT.ISOQUANT4_0, QT.ISOQUANT3_64, QT.ISOQUANT4_64)
+ISO_SHAPES = {QT.ISOQUANT3_0: (3, 128), QT.ISOQUANT4_0: (4, 128), QT.ISOQUANT3_64: (3, 64), QT.ISOQUANT4_64: (4, 64)}
 
 
 def _reference_dequantize(raw: np.ndarray, t: QT) -> np.ndarray:
@@ -29,7 +30,8 @@ def _reference_dequantize(raw: np.ndarray, t: QT) -> np.ndarray:
     if t == QT.ITQ3_S:
         y = itq3.dequantize_blocks(b)
     else:
-        y = isoquant.dequantize_blocks(b, bits=3 if t == QT.ISOQUANT3_0 else 4)
+        bits, qk = ISO_SHAPES[t]
+        y = isoquant.dequantize_blocks(b, bits=bits, qk=qk)
     return y.reshape(*raw.shape[:-1], raw.shape[-1] // size * block)
 
 

@@ -60,3 +60,36 @@ def test_ablation_variants_match_numpy(variant, bits):
         bindings.set_iso_variant("v3")
     assert np.array_equal(c, iq.quantize_blocks(x, variant=variant, bits=bits))
     assert np.array_equal(dc, iq.dequantize_blocks(c, variant=variant, bits=bits))
+
+
+TYPES64 = {3: bindings.GGMLType.ISOQUANT3_64, 4: bindings.GGMLType.ISOQUANT4_64}
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("name", list(_inputs()))
+def test_c_matches_numpy_bytes_qk64(name, bits):
+    """ISOQUANT3_64/4_64: the 64-wide rotation and codebooks, C vs numpy, byte for byte (blocks of 64 values)."""
+    x = _inputs()[name].reshape(-1, 64)
+    t = TYPES64[bits]
+    c = bindings.quantize(x, t).reshape(-1, iq.block_bytes(bits, 64))
+    py = iq.quantize_blocks(x, bits=bits, qk=64)
+    assert c.shape[1] == {3: 26, 4: 34}[bits]
+    assert np.array_equal(c, py), f"{(c != py).any(axis=1).sum()} of {len(py)} blocks differ"
+    dc = bindings.dequantize(c.reshape(x.shape[0], -1), t, 64)
+    dp = iq.dequantize_blocks(py, bits=bits, qk=64)
+    assert np.array_equal(dc.view(np.uint32), dp.view(np.uint32))
+    assert np.isfinite(dp).all()
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+@pytest.mark.parametrize("variant", ["v2", "v1", "none"])
+def test_ablation_variants_match_numpy_qk64(variant, bits):
+    x = _inputs()["keys"][:64].reshape(-1, 64)
+    bindings.set_iso_variant(variant)
+    try:
+        c = bindings.quantize(x, TYPES64[bits]).reshape(-1, iq.block_bytes(bits, 64))
+        dc = bindings.dequantize(c, TYPES64[bits], 64)
+    finally:
+        bindings.set_iso_variant("v3")
+    assert np.array_equal(c, iq.quantize_blocks(x, variant=variant, bits=bits, qk=64))
+    assert np.array_equal(dc, iq.dequantize_blocks(c, variant=variant, bits=bits, qk=64))

@@ -36,17 +36,30 @@ void quantize_row_isoq_q(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     quantize_row_isoq_q_ref(x, (block_isoq_q *) y, k);
 }
 
-// the IsoQuant helpers below take the index width as an argument; forced inlining with a constant
-// width makes every lookup as tight as a width-specific kernel (measured: 30 % slower without)
+void quantize_row_isoquant3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_isoquant3_64_ref(x, (block_isoquant3_64 *) y, k);
+}
+
+void quantize_row_isoquant4_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_isoquant4_64_ref(x, (block_isoquant4_64 *) y, k);
+}
+
+void quantize_row_isoq_q64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
+    quantize_row_isoq_q64_ref(x, (block_isoq_q64 *) y, k);
+}
+
+// the IsoQuant helpers below take the index width (bits) and the block width (qk = 128 or 64) as arguments;
+// forced inlining with constants makes every lookup as tight as a width-specific kernel (measured: 30 % slower
+// without)
 #if defined(__GNUC__)
 #define RQ_INLINE static inline __attribute__((always_inline))
 #else
 #define RQ_INLINE static inline
 #endif
 
-// IsoQuant blocks of either width: d (fp16) then QK_ISO*bits/8 bytes of packed indices
-RQ_INLINE const uint8_t * iso_block(const void * x, int64_t ib, int bits) {
-    return (const uint8_t *) x + ib*(int64_t) (sizeof(ggml_half) + QK_ISO*bits/8);
+// IsoQuant blocks of any width: d (fp16) then qk*bits/8 bytes of packed indices
+RQ_INLINE const uint8_t * iso_block(const void * x, int64_t ib, int bits, int qk) {
+    return (const uint8_t *) x + ib*(int64_t) (sizeof(ggml_half) + qk*bits/8);
 }
 
 RQ_INLINE float iso_block_d(const uint8_t * blk) {
@@ -64,8 +77,8 @@ typedef struct {
     int     bits;
 } iso_lut;
 
-RQ_INLINE iso_lut iso_lut_init(int bits) {
-    const float * cb = ggml_rq_iso_codebook_bits(bits);
+RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
+    const float * cb = ggml_rq_iso_codebook_qk(bits, qk);
     iso_lut L;
     L.lo     = _mm256_loadu_ps(cb);
     L.hi     = bits == 4 ? _mm256_loadu_ps(cb + 8) : L.lo;
@@ -100,8 +113,8 @@ typedef struct {
     int          bits;
 } iso_lut;
 
-RQ_INLINE iso_lut iso_lut_init(int bits) {
-    const float * cb = ggml_rq_iso_codebook_bits(bits);
+RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
+    const float * cb = ggml_rq_iso_codebook_qk(bits, qk);
     const int32_t j[4] = { 0, 1, 2, 3 };
     iso_lut L;
     L.tab.val[0] = vreinterpretq_u8_f32(vld1q_f32(cb + 0));
@@ -129,19 +142,20 @@ RQ_INLINE float32x4x2_t iso_lookup8(const iso_lut * L, const uint8_t * qs, int g
 }
 #endif
 
-// sum_b ||x_b|| * <c[idx_b], (R q)_b> for `bits`-bit IsoQuant blocks
-RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const block_isoq_q * GGML_RESTRICT y, int bits) {
-    const int nb = n / QK_ISO;
+// sum_b ||x_b|| * <c[idx_b], (R q)_b> for `bits`-bit IsoQuant blocks of qk values; y: the rotated query
+// (ISOQ_Q / ISOQ_Q64 rows are n plain floats)
+RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const float * GGML_RESTRICT y, int bits, int qk) {
+    const int nb = n / qk;
 #if defined(__AVX2__)
-    const iso_lut L = iso_lut_init(bits);
+    const iso_lut L = iso_lut_init(bits, qk);
     __m256 acc = _mm256_setzero_ps();
     for (int ib = 0; ib < nb; ++ib) {
-        const uint8_t * blk = iso_block(vx, ib, bits);
+        const uint8_t * blk = iso_block(vx, ib, bits, qk);
         const uint8_t * qs  = blk + sizeof(ggml_half);
-        const float   * q   = y[ib].qr;
+        const float   * q   = y + ib*qk;
         __m256 a0 = _mm256_setzero_ps();
         __m256 a1 = _mm256_setzero_ps();
-        for (int g = 0; g < QK_ISO/8; g += 2) {
+        for (int g = 0; g < qk/8; g += 2) {
             a0 = _mm256_fmadd_ps(iso_lookup8(&L, qs, g + 0), _mm256_loadu_ps(q + 8*g + 0), a0);
             a1 = _mm256_fmadd_ps(iso_lookup8(&L, qs, g + 1), _mm256_loadu_ps(q + 8*g + 8), a1);
         }
@@ -149,16 +163,16 @@ RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const block_is
     }
     return hsum_f32_8(acc);
 #elif defined(RQ_NEON)
-    const iso_lut L = iso_lut_init(bits);
+    const iso_lut L = iso_lut_init(bits, qk);
     float32x4_t acc0 = vdupq_n_f32(0.0f);
     float32x4_t acc1 = vdupq_n_f32(0.0f);
     for (int ib = 0; ib < nb; ++ib) {
-        const uint8_t * blk = iso_block(vx, ib, bits);
+        const uint8_t * blk = iso_block(vx, ib, bits, qk);
         const uint8_t * qs  = blk + sizeof(ggml_half);
-        const float   * q   = y[ib].qr;
+        const float   * q   = y + ib*qk;
         float32x4_t a0 = vdupq_n_f32(0.0f);
         float32x4_t a1 = vdupq_n_f32(0.0f);
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
             const float32x4x2_t c = iso_lookup8(&L, qs, g);
             a0 = vfmaq_f32(a0, c.val[0], vld1q_f32(q + 8*g + 0));
             a1 = vfmaq_f32(a1, c.val[1], vld1q_f32(q + 8*g + 4));
@@ -169,14 +183,14 @@ RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const block_is
     }
     return vaddvq_f32(vaddq_f32(acc0, acc1));
 #else
-    const float  * cb   = ggml_rq_iso_codebook_bits(bits);
+    const float  * cb   = ggml_rq_iso_codebook_qk(bits, qk);
     const uint32_t mask = (1u << bits) - 1;
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib) {
-        const uint8_t * blk = iso_block(vx, ib, bits);
-        const float   * q   = y[ib].qr;
+        const uint8_t * blk = iso_block(vx, ib, bits, qk);
+        const float   * q   = y + ib*qk;
         float sum = 0.0f;
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
             const uint32_t w = ggml_rq_iso_word(blk + sizeof(ggml_half), g, bits);
             for (int j = 0; j < 8; ++j) {
                 sum += cb[(w >> (bits*j)) & mask] * q[8*g + j];
@@ -188,45 +202,48 @@ RQ_INLINE float iso_vec_dot(int n, const void * GGML_RESTRICT vx, const block_is
 #endif
 }
 
-void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
-                                     const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(nrc == 1 && n % QK_ISO == 0);
-    GGML_UNUSED(nrc); GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by);
-    *s = iso_vec_dot(n, vx, (const block_isoq_q *) vy, 3);
+#define ISO_VEC_DOT(name, qname, bits, qk)                                                                            \
+void ggml_vec_dot_##name##_##qname(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx, \
+                                   const void * GGML_RESTRICT vy, size_t by, int nrc) {                               \
+    assert(nrc == 1 && n % (qk) == 0);                                                                                \
+    GGML_UNUSED(nrc); GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by);                                              \
+    *s = iso_vec_dot(n, vx, (const float *) vy, bits, qk);                                                            \
 }
 
-void ggml_vec_dot_isoquant4_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
-                                     const void * GGML_RESTRICT vy, size_t by, int nrc) {
-    assert(nrc == 1 && n % QK_ISO == 0);
-    GGML_UNUSED(nrc); GGML_UNUSED(bs); GGML_UNUSED(bx); GGML_UNUSED(by);
-    *s = iso_vec_dot(n, vx, (const block_isoq_q *) vy, 4);
-}
+ISO_VEC_DOT(isoquant3_0,  isoq_q,   3, QK_ISO)
+ISO_VEC_DOT(isoquant4_0,  isoq_q,   4, QK_ISO)
+ISO_VEC_DOT(isoquant3_64, isoq_q64, 3, QK_ISO64)
+ISO_VEC_DOT(isoquant4_64, isoq_q64, 4, QK_ISO64)
 
-void ggml_rq_iso_unrotate(int n, float * acc) {
-    assert(n % QK_ISO == 0);
+void ggml_rq_iso_unrotate_qk(int n, float * acc, int qk) {
+    assert(n % qk == 0);
     if (ggml_rq_iso_get_skip_inverse()) {
         return;
     }
-    for (int ib = 0; ib < n / QK_ISO; ++ib) {
-        ggml_rq_iso_rotate_inv(acc + ib*QK_ISO, acc + ib*QK_ISO);
+    for (int ib = 0; ib < n / qk; ++ib) {
+        ggml_rq_iso_rotate_inv_qk(acc + ib*qk, acc + ib*qk, qk);
     }
+}
+
+void ggml_rq_iso_unrotate(int n, float * acc) {
+    ggml_rq_iso_unrotate_qk(n, acc, QK_ISO);
 }
 
 // codebook values (unscaled) and block norms of one packed row: what the kernels above compute per
 // call, computed once per key for all query rows that share it
-RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits) {
+RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits, int qk) {
 #if defined(__AVX2__) || defined(RQ_NEON)
-    const iso_lut L = iso_lut_init(bits);
+    const iso_lut L = iso_lut_init(bits, qk);
 #else
-    const float  * cb   = ggml_rq_iso_codebook_bits(bits);
+    const float  * cb   = ggml_rq_iso_codebook_qk(bits, qk);
     const uint32_t mask = (1u << bits) - 1;
 #endif
-    for (int ib = 0; ib < n / QK_ISO; ++ib) {
-        const uint8_t * blk    = iso_block(x, ib, bits);
+    for (int ib = 0; ib < n / qk; ++ib) {
+        const uint8_t * blk    = iso_block(x, ib, bits, qk);
         const uint8_t * qs     = blk + sizeof(ggml_half);
-        float         * cb_out = c + ib*QK_ISO;
+        float         * cb_out = c + ib*qk;
         d[ib] = iso_block_d(blk);
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
 #if defined(__AVX2__)
             _mm256_storeu_ps(cb_out + 8*g, iso_lookup8(&L, qs, g));
 #elif defined(RQ_NEON)
@@ -243,25 +260,33 @@ RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML
     }
 }
 
-static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits) {
-    if (bits == 3) {
-        iso_unpack_bits(n, x, c, d, 3);
+static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits, int qk) {
+    if (qk == QK_ISO) {
+        if (bits == 3) {
+            iso_unpack_bits(n, x, c, d, 3, QK_ISO);
+        } else {
+            iso_unpack_bits(n, x, c, d, 4, QK_ISO);
+        }
     } else {
-        iso_unpack_bits(n, x, c, d, 4);
+        if (bits == 3) {
+            iso_unpack_bits(n, x, c, d, 3, QK_ISO64);
+        } else {
+            iso_unpack_bits(n, x, c, d, 4, QK_ISO64);
+        }
     }
 }
 
 // iso_vec_dot on an unpacked row: the same operations in the same order
-static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, const float * GGML_RESTRICT q) {
-    const int nb = n / QK_ISO;
+static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, const float * GGML_RESTRICT q, int qk) {
+    const int nb = n / qk;
 #if defined(__AVX2__)
     __m256 acc = _mm256_setzero_ps();
     for (int ib = 0; ib < nb; ++ib) {
-        const float * cq = c + ib*QK_ISO;
-        const float * qq = q + ib*QK_ISO;
+        const float * cq = c + ib*qk;
+        const float * qq = q + ib*qk;
         __m256 a0 = _mm256_setzero_ps();
         __m256 a1 = _mm256_setzero_ps();
-        for (int g = 0; g < QK_ISO/8; g += 2) {
+        for (int g = 0; g < qk/8; g += 2) {
             a0 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 0), _mm256_loadu_ps(qq + 8*g + 0), a0);
             a1 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 8), _mm256_loadu_ps(qq + 8*g + 8), a1);
         }
@@ -272,11 +297,11 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
     float32x4_t acc0 = vdupq_n_f32(0.0f);
     float32x4_t acc1 = vdupq_n_f32(0.0f);
     for (int ib = 0; ib < nb; ++ib) {
-        const float * cq = c + ib*QK_ISO;
-        const float * qq = q + ib*QK_ISO;
+        const float * cq = c + ib*qk;
+        const float * qq = q + ib*qk;
         float32x4_t a0 = vdupq_n_f32(0.0f);
         float32x4_t a1 = vdupq_n_f32(0.0f);
-        for (int i = 0; i < QK_ISO; i += 8) {
+        for (int i = 0; i < qk; i += 8) {
             a0 = vfmaq_f32(a0, vld1q_f32(cq + i + 0), vld1q_f32(qq + i + 0));
             a1 = vfmaq_f32(a1, vld1q_f32(cq + i + 4), vld1q_f32(qq + i + 4));
         }
@@ -289,8 +314,8 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
     float sumf = 0.0f;
     for (int ib = 0; ib < nb; ++ib) {
         float sum = 0.0f;
-        for (int i = 0; i < QK_ISO; ++i) {
-            sum += c[ib*QK_ISO + i] * q[ib*QK_ISO + i];
+        for (int i = 0; i < qk; ++i) {
+            sum += c[ib*qk + i] * q[ib*qk + i];
         }
         sumf += sum * d[ib];
     }
@@ -299,22 +324,22 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
 }
 
 // acc += v * ||x_b|| * c[idx_b] in the rotated domain, on an unpacked row
-static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, float v) {
-    for (int ib = 0; ib < n / QK_ISO; ++ib) {
+static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, float v, int qk) {
+    for (int ib = 0; ib < n / qk; ++ib) {
         const float vd = v*d[ib];
-        float       * a  = acc + ib*QK_ISO;
-        const float * cb = c   + ib*QK_ISO;
+        float       * a  = acc + ib*qk;
+        const float * cb = c   + ib*qk;
 #if defined(__AVX2__)
         const __m256 s = _mm256_set1_ps(vd);
-        for (int g = 0; g < QK_ISO/8; ++g) {
+        for (int g = 0; g < qk/8; ++g) {
             _mm256_storeu_ps(a + 8*g, _mm256_add_ps(_mm256_loadu_ps(a + 8*g), _mm256_mul_ps(_mm256_loadu_ps(cb + 8*g), s)));
         }
 #elif defined(RQ_NEON)
-        for (int i = 0; i < QK_ISO; i += 4) {
+        for (int i = 0; i < qk; i += 4) {
             vst1q_f32(a + i, vmlaq_n_f32(vld1q_f32(a + i), vld1q_f32(cb + i), vd));
         }
 #else
-        for (int i = 0; i < QK_ISO; ++i) {
+        for (int i = 0; i < qk; ++i) {
             a[i] += vd * cb[i];
         }
 #endif
@@ -344,6 +369,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
 
     const int v_bits = ggml_rq_iso_bits(v->type);
     const int k_bits = ggml_rq_iso_bits(k->type); // 0: K is another type, scored with its own vec_dot
+    const int v_qk   = ggml_rq_iso_qk(v->type);   // block (rotation) width: 128 or 64
+    const int k_qk   = k_bits ? ggml_rq_iso_qk(k->type) : 1;
     GGML_ASSERT(v_bits != 0);
 
     const int64_t DK = k->ne[0];
@@ -380,8 +407,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     const ggml_fp16_t * mp[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
     // the current key and value, unpacked once for the tile
-    float kc[k_iso ? DK : 1], kd[k_iso ? DK/QK_ISO : 1];
-    float vc[DV], vd[DV/QK_ISO];
+    float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
+    float vc[DV], vd[DV/v_qk];
 
     for (int64_t ir = ir0; ir < ir1; ) {
         // a tile: consecutive rows that read the same K and V head
@@ -419,9 +446,9 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
             const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
             if (k_iso) {
-                iso_unpack(DK, k_data, kc, kd, k_bits);
+                iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
             }
-            iso_unpack(DV, v_data, vc, vd, v_bits);
+            iso_unpack(DV, v_data, vc, vd, v_bits, v_qk);
 
             for (int t = 0; t < T; ++t) {
                 if (mv[t] == -INFINITY) {
@@ -429,7 +456,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 }
                 float s;
                 if (k_iso) {
-                    s = iso_dot_unpacked(DK, kc, kd, Q32[t]);
+                    s = iso_dot_unpacked(DK, kc, kd, Q32[t], k_qk);
                 } else {
                     kq_vec_dot(DK, &s, 0, k_data, 0, Q32[t], 0, 1);
                 }
@@ -449,13 +476,13 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 } else {
                     vs = expf(s - M[t]);
                 }
-                iso_mad_unpacked(DV, VKQ[t], vc, vd, vs);
+                iso_mad_unpacked(DV, VKQ[t], vc, vd, vs, v_qk);
                 S[t] = S[t]*ms + vs;
             }
         }
 
         for (int t = 0; t < T; ++t) {
-            ggml_rq_iso_unrotate(DV, VKQ[t]);
+            ggml_rq_iso_unrotate_qk(DV, VKQ[t], v_qk);
             if (sinks) {
                 const float s = ((const float *) sinks->data)[row[t][1]];
                 float ms = 1.0f;

@@ -16,15 +16,25 @@ extern "C" {
 void quantize_row_isoquant3_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_isoquant4_0(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_isoq_q     (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_isoquant3_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_isoquant4_64(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
+void quantize_row_isoq_q64    (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 
 // sum_b ||x_b|| * <c[idx_b], (R q)_b>: the query arrives rotated (ISOQ_Q), keys stay packed
 void ggml_vec_dot_isoquant3_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                      const void * GGML_RESTRICT vy, size_t by, int nrc);
 void ggml_vec_dot_isoquant4_0_isoq_q(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                      const void * GGML_RESTRICT vy, size_t by, int nrc);
+// the same for the 64-wide types against ISOQ_Q64
+void ggml_vec_dot_isoquant3_64_isoq_q64(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                        const void * GGML_RESTRICT vy, size_t by, int nrc);
+void ggml_vec_dot_isoquant4_64_isoq_q64(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
+                                        const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 // acc <- R^T acc for every 128-value block (once per output row), unless the ablation switch is set
 void ggml_rq_iso_unrotate(int n, float * acc);
+// the same for qk-value blocks (128 or 64)
+void ggml_rq_iso_unrotate_qk(int n, float * acc, int qk);
 
 void quantize_row_itq3_s(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
 void quantize_row_q8_itq (const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k);
@@ -33,7 +43,7 @@ void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const
                                 const void * GGML_RESTRICT vy, size_t by, int nrc);
 
 struct ggml_compute_params;
-// Flash attention for query rows [ir0, ir1) with an IsoQuant (3- or 4-bit) V cache (any K type): keys outer, rows
+// Flash attention for query rows [ir0, ir1) with an IsoQuant (3- or 4-bit, 128- or 64-wide) V cache (any K type): keys outer, rows
 // inner, so each packed K/V row is unpacked once for all query rows of its head (GQA heads, prompt
 // tokens). Per row, the operations and their order do not depend on the grouping: batch-invariant.
 void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
