@@ -66,8 +66,8 @@ N_BATCH = 2048
 N_UBATCH = 512
 
 # KV-cache specs the planner considers ("K/V"; "+calib": with the model's K calibration), best first
-# by bits per value; head sizes that are not multiples of 128 rule out the IsoQuant ones (llama.cpp
-# refuses them at context creation, and the dry run records that)
+# by bits per value; head sizes that are neither 64 nor multiples of 128 rule out the IsoQuant ones (llama.cpp
+# refuses them at context creation, and the dry run records that; for head size 64 it uses the 64-wide siblings)
 KV_SPECS = ("f16", "q8_0", "q8_0/isoquant3_0", "q8_0/isoquant3_0+calib", "q4_0", "q4_0+calib", "isoquant4_0",
             "isoquant4_0+calib", "isoquant4_0/isoquant3_0+calib", "isoquant3_0", "isoquant3_0+calib")
 KV_DEFAULT = ("f16", "q8_0", "q8_0/isoquant3_0+calib", "q4_0+calib", "isoquant4_0+calib",

@@ -1,11 +1,14 @@
-"""isoquant3_0 as llama.cpp's KV cache on a real model (Gemma3-270M: head size 256 = 2 blocks)."""
+"""isoquant3_0 as llama.cpp's KV cache on real models (Gemma3-270M: head size 256 = 2 blocks; SmolLM2-135M: head
+size 64, served by the 64-value-block sibling isoquant3_64)."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -23,11 +26,113 @@ def _complete(bin_dir, model, extra=(), n=24, prompt=PROMPT, env=None, ctx=512):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=e)
 
 
-def test_unsupported_head_size_is_a_clear_error(bin_dir, smollm2):
-    proc = _complete(bin_dir, smollm2, ISO, n=4)
-    assert proc.returncode != 0
-    assert "isoquant3_0 KV cache needs attention head sizes that are multiples of 128" in proc.stderr
-    assert "K=64" in proc.stderr
+def _write_tiny_llama(path: Path, tokenizer_from: Path, head_size: int, n_head: int = 2, n_ff: int = 128) -> Path:
+    """A 1-layer random-weight llama GGUF with `n_head` heads of `head_size` (n_embd = n_head * head_size): a model
+    shape none of the packaged models has. The tokenizer is copied from `tokenizer_from`; the text it generates is
+    noise."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    src = GGUFReader(tokenizer_from)
+    n_embd = n_head * head_size
+    w = GGUFWriter(str(path), "llama")
+    w.add_context_length(256)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(1)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(head_size)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(1)  # mostly F16
+    n_vocab = 0
+    for name, field in src.fields.items():
+        if not name.startswith("tokenizer."):
+            continue
+        vtype = field.types[0]
+        if vtype == GGUFValueType.ARRAY:
+            val = field.contents()
+            w.add_key_value(name, val, vtype, sub_type=field.types[-1])
+            if name == "tokenizer.ggml.tokens":
+                n_vocab = len(val)
+        else:
+            w.add_key_value(name, field.contents(), vtype)
+    rng = np.random.default_rng(0)
+
+    def t(name: str, *shape: int) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float16))
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    t("token_embd.weight", n_vocab, n_embd)
+    ones("output_norm.weight", n_embd)
+    ones("blk.0.attn_norm.weight", n_embd)
+    for m in ("attn_q", "attn_k", "attn_v", "attn_output"):
+        t(f"blk.0.{m}.weight", n_embd, n_embd)
+    ones("blk.0.ffn_norm.weight", n_embd)
+    t("blk.0.ffn_gate.weight", n_ff, n_embd)
+    t("blk.0.ffn_up.weight", n_ff, n_embd)
+    t("blk.0.ffn_down.weight", n_embd, n_ff)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("head", [80, 96])
+def test_unsupported_head_size_is_a_clear_error(bin_dir, smollm2, tmp_path, head):
+    model = _write_tiny_llama(tmp_path / f"tiny-head{head}.gguf", smollm2, head)
+    # an IsoQuant cache is refused at context creation, naming the size and a type that works for it
+    # (q8_0 needs whole 32-value blocks: 96 yes, 80 no)
+    works = "q8_0" if head % 32 == 0 else "f16"
+    for extra in (ISO, ["-fa", "on", "-ctk", "f16", "-ctv", "isoquant4_0"]):
+        proc = _complete(bin_dir, model, extra, n=2, ctx=256)
+        assert proc.returncode != 0
+        err = [ln for ln in proc.stderr.splitlines() if "KV cache supports attention head sizes 64 and multiples" in ln]
+        assert err, proc.stderr[-2000:]
+        assert f"head size {head} (layer 0)" in err[0] and f"e.g. {works}" in err[0], err[0]
+    # ... and the named type does work on this model
+    ok = _complete(bin_dir, model, ["-fa", "on", "-ctk", works, "-ctv", works], n=2, ctx=256)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+
+
+def test_head_size_64_uses_the_64_wide_sibling_fused_and_unfused(bin_dir, smollm2, sane_text):
+    import llama_cpp
+
+    from rotaryquant import bindings
+
+    fused = _complete(bin_dir, smollm2, ISO)
+    assert fused.returncode == 0, fused.stderr[-2000:]
+    assert "head size 64, using isoquant3_64" in fused.stderr
+    assert "isoquant3_64 attention = fused" in fused.stderr
+    assert sane_text(fused.stdout), fused.stdout
+    unfused = _complete(bin_dir, smollm2, [*ISO, "--isoquant-unfused"])
+    assert unfused.returncode == 0, unfused.stderr[-2000:]
+    assert "isoquant3_64 attention = unfused" in unfused.stderr
+    assert sane_text(unfused.stdout), unfused.stdout
+
+    # counters: the fused run reads packed K/V and dequantises nothing; the unfused run dequantises
+    iso = llama_cpp.GGML_TYPE_ISOQUANT3_0
+    runs = {}
+    for unf in (False, True):
+        bindings.set_iso_unfused(unf)
+        try:
+            llm = llama_cpp.Llama(model_path=str(smollm2), n_ctx=512, n_threads=2, seed=42, verbose=False,
+                                  flash_attn=True, type_k=iso, type_v=iso)
+            bindings.reset_counters()
+            out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
+            runs[unf] = (out, bindings.counters())
+            del llm
+        finally:
+            bindings.set_iso_unfused(False)
+    (out_f, c_f), (out_u, c_u) = runs[False], runs[True]
+    assert sane_text(out_f), out_f
+    assert sane_text(out_u), out_u
+    assert c_f["iso_fused_calls"] > 0 and c_f["iso_quant_rows"] > 0 and c_f["iso_dequant_rows"] == 0, c_f
+    assert c_u["iso_fused_calls"] == 0 and c_u["iso_dequant_rows"] > 0, c_u
+    # both runs quantise the same K/V blocks (one 64-value block per head per token per layer)
+    assert c_f["iso_quant_rows"] == c_u["iso_quant_rows"], (c_f, c_u)
 
 
 def test_cli_generates_sane_text_fused_and_unfused(bin_dir, gemma3, sane_text):
@@ -126,9 +231,12 @@ def test_isoquant4_0_cache_fused_mixed_unfused_and_head_size(bin_dir, gemma3, sm
 
     from rotaryquant import bindings
 
-    proc = _complete(bin_dir, smollm2, ["-fa", "on", "-ctk", "q8_0", "-ctv", "isoquant4_0"], n=4)
-    assert proc.returncode != 0
-    assert "isoquant4_0 KV cache needs attention head sizes that are multiples of 128" in proc.stderr
+    # head size 64: the 4-bit type resolves to its 64-value-block sibling
+    proc = _complete(bin_dir, smollm2, ["-fa", "on", "-ctk", "q8_0", "-ctv", "isoquant4_0"], n=12)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "V cache: head size 64, using isoquant4_64" in proc.stderr
+    assert "isoquant4_64 attention = fused" in proc.stderr
+    assert sane_text(proc.stdout), proc.stdout
     # 4-bit K with 3-bit V: one fused kernel reads both widths
     mixed = _complete(bin_dir, gemma3, ["-fa", "on", "-ctk", "isoquant4_0", "-ctv", "isoquant3_0"])
     assert mixed.returncode == 0, mixed.stderr[-2000:]
