@@ -73,11 +73,11 @@ ci_tests() {
         fi
     done
     out=$("${run[@]}" "$bin/test-quantize-fns" -v 2>&1) || { echo "$out" | grep -iv ": *ok" | tail -30; log "test-quantize-fns: FAILED"; fails=$((fails + 1)); }
-    n=$(grep -cE "^ *(isoquant3_0|isoquant4_0|itq3_s) .*: +ok" <<< "$out" || true)
-    if [ "$n" -ne 9 ]; then  # 3 types x (quantisation error, reference error, dot product error)
-        grep -E "isoquant|itq3" <<< "$out"; log "test-quantize-fns: $n of 9 checks of our types ok"; fails=$((fails + 1))
+    n=$(grep -cE "^ *(isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s) .*: +ok" <<< "$out" || true)
+    if [ "$n" -ne 15 ]; then  # 5 types x (quantisation error, reference error, dot product error)
+        grep -E "isoquant|itq3" <<< "$out"; log "test-quantize-fns: $n of 15 checks of our types ok"; fails=$((fails + 1))
     else
-        log "test-quantize-fns: our types' 9 checks ok"
+        log "test-quantize-fns: our types' 15 checks ok"
     fi
     for op in $RQ_OPS; do
         out=$("${run[@]}" "$bin/test-backend-ops" test -b CPU -o "$op" -p "$RQ_TYPES" 2>&1) && rc=0 || rc=$?
