@@ -163,7 +163,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
                                   n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
                                   type_v=tv, logits_all=False, verbose=False)
     except (ValueError, RuntimeError) as e:
-        hint = " (IsoQuant types need a head size that is a multiple of 128)" if kvtypes.uses_iso(cache) else ""
+        hint = " (IsoQuant types need head size 64 or a multiple of 128)" if kvtypes.uses_iso(cache) else ""
         raise DecodeError(f"cannot create a {n_ctx}-token context with cache {cache} for {model.name}: "
                           f"{e}{hint}") from e
     try:
