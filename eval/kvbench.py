@@ -33,7 +33,9 @@ DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
 
 # bytes per value of each cache type (type_size / block_size)
 BYTES_PER_VALUE = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "isoquant3_0": 50 / 128, "isoquant4_0": 66 / 128,
-                   "f32": 4.0}
+                   "isoquant3_64": 26 / 64, "isoquant4_64": 34 / 64, "f32": 4.0}
+# llama resolves the 128-wide IsoQuant types to these 64-wide siblings when the head size is 64
+ISO_64 = {"isoquant3_0": "isoquant3_64", "isoquant4_0": "isoquant4_64"}
 
 
 UNFUSED, DEFERRED = "-unfused", "-deferred"
@@ -59,10 +61,14 @@ class KVShape:
     n_embd_v_gqa: list[int]
     swa_layers: list[bool]
     sliding_window: int | None
+    head_k: int = 0  # attention head sizes (0: unknown)
+    head_v: int = 0
 
     def bytes_per_token(self, cache_type: str) -> float:
-        """KV bytes one token adds to the cache (all layers, K and V)."""
+        """KV bytes one token adds to the cache (all layers, K and V), with the type llama uses for this head size."""
         tk, tv = kvtypes.split(cache_type)
+        tk = ISO_64.get(tk, tk) if self.head_k == 64 else tk
+        tv = ISO_64.get(tv, tv) if self.head_v == 64 else tv
         return sum(k * BYTES_PER_VALUE[tk] + v * BYTES_PER_VALUE[tv] for k, v in zip(self.n_embd_k_gqa, self.n_embd_v_gqa))
 
 
@@ -94,7 +100,7 @@ def kv_shape(model: Path) -> KVShape:
     swa = [False] * n_layer
     if sw and pattern is not None:
         swa = [bool(x) for x in pattern] if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(n_layer)]
-    return KVShape(n_layer, [h * hk for h in heads_kv], [h * hv for h in heads_kv], swa, int(sw) if sw else None)
+    return KVShape(n_layer, [h * hk for h in heads_kv], [h * hv for h in heads_kv], swa, int(sw) if sw else None, hk, hv)
 
 
 @dataclass

@@ -15,6 +15,10 @@ def test_kv_bytes_per_token(gemma3, smollm2):
     assert g.bytes_per_token("isoquant3_0") / g.bytes_per_token("f16") == 50 / 256
     s = kvbench.kv_shape(smollm2)
     assert s.n_layer == 30 and set(s.n_embd_k_gqa) == {192}
+    # head size 64: isoquant3_0 runs as isoquant3_64, 26 bytes per 64 values
+    assert s.head_k == s.head_v == 64
+    assert s.bytes_per_token("isoquant3_0") == 30 * 2 * 192 * 26 / 64
+    assert s.bytes_per_token("q8_0/isoquant4_0") == 30 * 192 * (34 / 32 + 34 / 64)
 
 
 @pytest.mark.slow
