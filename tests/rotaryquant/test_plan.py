@@ -153,7 +153,10 @@ def test_quality_comes_only_from_measurements(tmp_path):
     q = P._kv_quality("isoquant4_0+calib", meas, qwen, True)
     assert q.kld == pytest.approx(0.0198, abs=1e-4) and "qwen.kc.gguf" in q.where and "ctx 512" in q.where
     smol = next(k for k in P.KNOWN_MODELS if k.id == "smollm2-135m")
-    q = P._kv_quality("q8_0", meas, smol, True)
+    q = P._kv_quality("isoquant3_0+calib", meas, smol, True)   # measured on SmolLM2's calibrated file
+    assert q.kld is not None and "smollm2.kc.gguf" in q.where and "ctx 512" in q.where
+    # a model without its own measurement: unknown, with the other models' numbers as evidence
+    q = P._kv_quality("q8_0", [m for m in meas if m.model != smol.id], smol, True)
     assert q.kld is None and q.text() == "unknown" and {e["model"].split(" (")[0] for e in q.elsewhere} >= {
         "Gemma3-270M Q4_K_M", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M"}
     assert P._kv_quality("f16", meas, smol, True).text() == "0 (exact)"
@@ -204,7 +207,8 @@ def test_cli_json(smollm2, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["winner"]["fits"] and d["winner"]["peak"] <= 1 << 30 and d["commands"]
     assert {"weights_mapped", "kv", "compute", "base"} <= set(d["winner"]["bytes"])
-    assert all(c["kv"] != "isoquant3_0+calib" or c["error"] for c in d["candidates"])
+    # head size 64: the IsoQuant specs are planned (llama uses the 64-wide siblings), not refused
+    assert any(c["kv"] == "isoquant3_0+calib" and not c["error"] for c in d["candidates"])
 
 
 def test_cli_errors(smollm2, tmp_path, capsys):
