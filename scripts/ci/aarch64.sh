@@ -15,13 +15,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUILD=$REPO/build/aarch64
 ARCH=armv8.2-a+dotprod+fp16
 SYSROOT=/usr/aarch64-linux-gnu
-while [ $# -gt 0 ]; do
-    case $1 in
-        --build) BUILD=$2; shift 2 ;;
-        -h|--help) sed -n '2,11p' "$0"; exit 0 ;;
-        *) die "unknown argument $1 (see --help)" ;;
-    esac
-done
+ci_args "$@"
 if [ "$(uname -m)" != x86_64 ]; then
     log "skipped: the job cross-compiles from an x86-64 host"; exit 0
 fi

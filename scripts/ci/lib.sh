@@ -12,6 +12,17 @@ T0=$(date +%s)
 die() { echo "[$CI_NAME] error: $*" >&2; exit 1; }
 log() { echo "[$CI_NAME] $*"; }
 
+# the jobs' command line: [--build DIR] sets BUILD; -h/--help prints the job script's header comment
+ci_args() {
+    while [ $# -gt 0 ]; do
+        case $1 in
+            --build) BUILD=$2; shift 2 ;;
+            -h|--help) awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+            *) die "unknown argument $1 (see --help)" ;;
+        esac
+    done
+}
+
 export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$REPO}   # hits across clones at other paths, as in rotaryquant.build
 export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 export PATH=$PATH:$REPO/.venv/bin                 # cmake/ninja from pip when the system lacks them

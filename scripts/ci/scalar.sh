@@ -12,13 +12,7 @@ set -euo pipefail
 CI_NAME=scalar
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 BUILD=$REPO/build/scalar
-while [ $# -gt 0 ]; do
-    case $1 in
-        --build) BUILD=$2; shift 2 ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
-        *) die "unknown argument $1 (see --help)" ;;
-    esac
-done
+ci_args "$@"
 if [ "$(uname -m)" != x86_64 ]; then
     log "skipped: the scalar job is for x86-64 hosts (it builds x86-64 without SIMD)"; exit 0
 fi

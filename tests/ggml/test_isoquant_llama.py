@@ -102,15 +102,8 @@ def test_head_size_64_uses_the_64_wide_sibling_fused_and_unfused(bin_dir, smollm
 
     from rotaryquant import bindings
 
-    fused = _complete(bin_dir, smollm2, ISO)
-    assert fused.returncode == 0, fused.stderr[-2000:]
+    fused = _cli_fused_and_unfused(bin_dir, smollm2, "isoquant3_64", sane_text)
     assert "head size 64, using isoquant3_64" in fused.stderr
-    assert "isoquant3_64 attention = fused" in fused.stderr
-    assert sane_text(fused.stdout), fused.stdout
-    unfused = _complete(bin_dir, smollm2, [*ISO, "--isoquant-unfused"])
-    assert unfused.returncode == 0, unfused.stderr[-2000:]
-    assert "isoquant3_64 attention = unfused" in unfused.stderr
-    assert sane_text(unfused.stdout), unfused.stdout
 
     # counters: the fused run reads packed K/V and dequantises nothing; the unfused run dequantises
     iso = llama_cpp.GGML_TYPE_ISOQUANT3_0
@@ -135,15 +128,21 @@ def test_head_size_64_uses_the_64_wide_sibling_fused_and_unfused(bin_dir, smollm
     assert c_f["iso_quant_rows"] == c_u["iso_quant_rows"], (c_f, c_u)
 
 
-def test_cli_generates_sane_text_fused_and_unfused(bin_dir, gemma3, sane_text):
-    fused = _complete(bin_dir, gemma3, ISO)
+def _cli_fused_and_unfused(bin_dir, model, cache_type, sane_text):
+    """llama-completion with ISO, fused then --isoquant-unfused: both log their path and write sane text."""
+    fused = _complete(bin_dir, model, ISO)
     assert fused.returncode == 0, fused.stderr[-2000:]
-    assert "isoquant3_0 attention = fused" in fused.stderr
+    assert f"{cache_type} attention = fused" in fused.stderr
     assert sane_text(fused.stdout), fused.stdout
-    unfused = _complete(bin_dir, gemma3, [*ISO, "--isoquant-unfused"])
+    unfused = _complete(bin_dir, model, [*ISO, "--isoquant-unfused"])
     assert unfused.returncode == 0, unfused.stderr[-2000:]
-    assert "isoquant3_0 attention = unfused" in unfused.stderr
+    assert f"{cache_type} attention = unfused" in unfused.stderr
     assert sane_text(unfused.stdout), unfused.stdout
+    return fused
+
+
+def test_cli_generates_sane_text_fused_and_unfused(bin_dir, gemma3, sane_text):
+    _cli_fused_and_unfused(bin_dir, gemma3, "isoquant3_0", sane_text)
 
 
 def test_fused_and_unfused_attention_agree_on_the_real_model(gemma3):
