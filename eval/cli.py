@@ -102,12 +102,25 @@ def cmd_memory(ns: argparse.Namespace) -> None:
 def cmd_weights(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.DEFAULT_MODEL)
     variants = weights.DEFAULT_VARIANTS if ns.mode == "ftype" else weights.tensor_variants(ns.tensor)
+    if ns.only:
+        known = {v.label: v for v in variants}
+        unknown = [x for x in ns.only.split(",") if x not in known]
+        if unknown:
+            raise ValueError(f"--only: unknown variant(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        variants = tuple(known[x] for x in ns.only.split(","))
+    out = ns.out or RESULTS / f"weights-{ns.mode}"
+    merge = None
+    if ns.merge:
+        prev = out.with_suffix(".json")
+        if not prev.is_file():
+            raise ValueError(f"--merge: {prev} does not exist (run without --merge first)")
+        merge = json.loads(prev.read_text())
     with tempfile.TemporaryDirectory(prefix="rq-weights-") as tmp:
         res = weights.bench(model, Path(ns.workdir or tmp), data.evaluation_text(), data.calibration_text(),
-                            variants=variants, chunks=ns.chunks, threads=ns.threads, reps=ns.reps)
+                            variants=variants, chunks=ns.chunks, threads=ns.threads, reps=ns.reps, merge=merge)
     title = ("llama-quantize types" if ns.mode == "ftype"
              else f"one tensor role ({ns.tensor}) per type, Q8_0 elsewhere")
-    _write(ns.out or RESULTS / f"weights-{ns.mode}", res, weights.to_markdown(res, title))
+    _write(out, res, weights.to_markdown(res, title))
 
 
 def cmd_ablation(ns: argparse.Namespace) -> None:
@@ -280,8 +293,14 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
                    help="ftype: llama-quantize positional types; tensor: one role per type, Q8_0 elsewhere")
     w.add_argument("--tensor", default="ffn_down", help="the role for --mode tensor")
     w.add_argument("--chunks", type=int, default=20, help="perplexity chunks of 512 tokens")
-    w.add_argument("-r", "--reps", type=int, default=2, help="llama-bench repetitions")
-    w.add_argument("--workdir", type=Path, help="keep intermediate files here (default: a temporary folder)")
+    w.add_argument("-r", "--reps", type=int, default=0,
+                   help="llama-bench repetitions per file (default 0: no speed columns; rq-eval weight-speed "
+                        "measures speed in interleaved rounds)")
+    w.add_argument("--only", metavar="LABELS", help="comma-separated variant labels to run (default: all)")
+    w.add_argument("--merge", action="store_true", help="keep the rows of the existing output file that this run "
+                                                        "does not redo (same model, ctx, chunks)")
+    w.add_argument("--workdir", type=Path, help="keep and reuse the F16 file, importance matrix and baseline logits "
+                                                "here (default: a temporary folder)")
     w.add_argument("-o", "--out", type=Path, help="output stem (default: docs/results/weights-MODE)")
 
     sv = add("serve", "llama-server under concurrent load: failures, identical to alone, t/s", cmd_serve,

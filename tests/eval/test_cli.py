@@ -32,6 +32,8 @@ def _run(*args):
     (["convert-speed", "--recipes", "rotaryquant,bf16"], "no upstream counterpart for recipe 'bf16'"),
     (["convert-speed", "--layers", "0"], "layers must be at least 1"),
     (["isoquant-variants", "--vectors", "100"], "at least 256 vectors"),
+    (["weights", "--only", "IQ3_S,Q9_K"], "--only: unknown variant(s) Q9_K"),
+    (["weights", "--merge", "-o", "/nonexistent/weights"], "--merge: /nonexistent/weights.json does not exist"),
 ])
 def test_bad_arguments(args, message, capsys):
     assert cli.main(args) == 1
