@@ -92,6 +92,10 @@ def _ggml() -> ctypes.CDLL:
     base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
     base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     base.ggml_get_type_traits.restype = ctypes.c_void_p
+    if hasattr(base, "ggml_rq_quantize_itq3_s_xtx"):
+        base.ggml_rq_quantize_itq3_s_xtx.restype = ctypes.c_size_t
+        base.ggml_rq_quantize_itq3_s_xtx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                     ctypes.c_void_p]
     base.ggml_get_type_traits.argtypes = [ctypes.c_int]
     return base
 
@@ -160,6 +164,31 @@ def quantize(x: np.ndarray, t: int, imatrix: np.ndarray | None = None) -> np.nda
             raise ValueError(f"imatrix has shape {imatrix.shape}, expected ({n},)")
         im = imatrix.ctypes.data
     done = _ggml().ggml_quantize_chunk(int(t), x.ctypes.data, out.ctypes.data, 0, nrows, n, im)
+    assert done == out.nbytes
+    return out
+
+
+def quantize_itq3_s_xtx(x: np.ndarray, xtx: np.ndarray | None) -> np.ndarray:
+    """ITQ3_S rows of ``x`` ((nrows, n) float32, n % 256 == 0) quantised with LDLQ against the input Gram
+    matrices ``xtx`` ((n/256, 256, 256) float32: per 256-column block sum_t x_t x_t^T, raw sums, the original
+    domain); None gives the plain quantiser. Returns (nrows, n/256*100) uint8."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2 or x.shape[1] % 256:
+        raise ValueError(f"ITQ3_S rows must be (nrows, n) with n a multiple of 256, got shape {x.shape}")
+    nrows, n = x.shape
+    ptr = None
+    if xtx is not None:
+        xtx = np.ascontiguousarray(xtx, dtype=np.float32)
+        if xtx.shape != (n // 256, 256, 256):
+            raise ValueError(f"xtx has shape {xtx.shape}, expected ({n // 256}, 256, 256) for rows of {n} values")
+        ptr = xtx.ctypes.data
+    lib = _ggml()
+    if not hasattr(lib, "ggml_rq_quantize_itq3_s_xtx"):
+        raise RuntimeError("this libggml-base has no ggml_rq_quantize_itq3_s_xtx; re-run `make setup`")
+    out = np.empty((nrows, row_size(GGMLType.ITQ3_S, n)), dtype=np.uint8)
+    done = lib.ggml_rq_quantize_itq3_s_xtx(x.ctypes.data, out.ctypes.data, nrows, n, ptr)
     assert done == out.nbytes
     return out
 

@@ -122,6 +122,14 @@ GGML_API const float * ggml_rq_iso_codebook_bits(int bits);
 // the codebook of `bits`-bit indices on qk-value blocks (qk = 64: ISOQUANT3_64/4_64, a wider marginal)
 GGML_API const float * ggml_rq_iso_codebook_qk(int bits, int qk);
 
+// ITQ3_S with second-order calibration (LDLQ, docs/itq3-design.md §5.3): quantise nrow rows of n_per_row
+// (a multiple of 256) values like quantize_itq3_s, with codes chosen by error feedback against the inputs' Gram
+// matrices. xtx: for each of the n_per_row/256 column blocks, sum_t x_t x_t^T (256x256, row-major, the original
+// unrotated domain, raw sums), blocks contiguous; NULL gives the plain quantiser. Deterministic, and the bytes of a
+// row do not depend on the other rows of the call. Returns the bytes written.
+GGML_API size_t ggml_rq_quantize_itq3_s_xtx(const float * src, void * dst, int64_t nrow, int64_t n_per_row,
+                                            const float * xtx);
+
 #ifdef __cplusplus
 }
 #endif

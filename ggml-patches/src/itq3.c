@@ -17,10 +17,12 @@
 
 #include "ggml-quants.h"
 #include "ggml-impl.h"
+#include "ggml-rq.h"
 
 #include "itq3-tables.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ITQ_VAR_EPS 0x1p-80f
@@ -84,6 +86,20 @@ static struct itq3_fit itq3_assign(const float * yc, float inv2, float o, uint8_
     f.d   = f.den > 0 ? 256.0f*f.sgt/f.den : 0.0f;
     f.o   = -(f.d*f.sg)*(1.0f/256);
     return f;
+}
+
+static void itq3_pack(const uint8_t * q, block_itq3_s * out) {
+    memset(out->qs, 0, sizeof(out->qs));
+    for (int j = 0; j < QK_ITQ/4; ++j) {
+        out->qs[j] = (uint8_t) ((q[j] & 3) | (q[64 + j] & 3) << 2 | (q[128 + j] & 3) << 4 | (q[192 + j] & 3) << 6);
+    }
+    for (int j = 0; j < QK_ITQ/8; ++j) {
+        uint8_t h = 0;
+        for (int b = 0; b < 8; ++b) {
+            h |= (uint8_t) (((q[32*b + j] >> 2) & 1) << b);
+        }
+        out->qh[j] = h;
+    }
 }
 
 static void itq3_quantize_block(const float * GGML_RESTRICT w_in, const float * GGML_RESTRICT iw, block_itq3_s * GGML_RESTRICT out) {
@@ -201,17 +217,263 @@ static void itq3_quantize_block(const float * GGML_RESTRICT w_in, const float * 
     out->m = itq3_f16_sat(m);
 
     // 7. pack
-    memset(out->qs, 0, sizeof(out->qs));
-    for (int j = 0; j < QK_ITQ/4; ++j) {
-        out->qs[j] = (uint8_t) ((q[j] & 3) | (q[64 + j] & 3) << 2 | (q[128 + j] & 3) << 4 | (q[192 + j] & 3) << 6);
-    }
-    for (int j = 0; j < QK_ITQ/8; ++j) {
-        uint8_t h = 0;
-        for (int b = 0; b < 8; ++b) {
-            h |= (uint8_t) (((q[32*b + j] >> 2) & 1) << b);
+    itq3_pack(q, out);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// LDLQ (GPTQ-style error feedback in the rotated domain, docs/itq3-design.md §5.3). float64 throughout,
+// explicit loops in a fixed order; the numpy twin (rotaryquant/quants/itq3.py, quantize_rows_ldlq)
+// performs the same operations in the same order, so the bytes match.
+//
+//   per 256-column block (shared by all rows):  A = R H R^T (R = FWHT256 diag(S)), A' = A/mean(diag A) + lambda I,
+//       A' = V V^T with V upper (a backward Cholesky: no inverse needed; V = U^-1 for GPTQ's U = chol(A'^-1)),
+//       L[k][j] = V_kj / V_jj (j > k), b = V^T 1
+//   per row block: the plain quantiser's (d16, m16); codes in order k = 0..255 for the target
+//       y_k + sum_{j<k} L[j][k] e_j  (e = y - (d g + m), the rotated residual so far); then the A'-weighted
+//       least-squares (d, m) for those codes, through a = V^T g and c = V^T y (e^T A' e = |V^T e|^2)
+
+#define ITQ_LDLQ_DAMP 0.1
+
+struct itq3_ldlq {
+    double * V;   // V[j*256 + k] = V_jk (j <= k), upper triangle of A' = V V^T
+    double * L;   // L[k*256 + j] = V_kj / V_jj (j > k)
+    double   b[QK_ITQ]; // V^T 1
+    double   c11;       // |b|^2
+};
+
+static void itq3_fwht64(double * v, int stride) {
+    for (int h = 1; h < QK_ITQ; h <<= 1) {
+        for (int i = 0; i < QK_ITQ; i += 2*h) {
+            for (int j = i; j < i + h; ++j) {
+                const double a = v[j*stride];
+                const double b = v[(j + h)*stride];
+                v[j*stride]       = a + b;
+                v[(j + h)*stride] = a - b;
+            }
         }
-        out->qh[j] = h;
     }
+    for (int i = 0; i < QK_ITQ; ++i) {
+        v[i*stride] *= 0.0625;
+    }
+}
+
+static double itq3_tree64(const double * x) {
+    double a[QK_ITQ/2];
+    for (int i = 0; i < QK_ITQ/2; ++i) {
+        a[i] = x[i] + x[i + QK_ITQ/2];
+    }
+    for (int n = QK_ITQ/4; n > 0; n >>= 1) {
+        for (int i = 0; i < n; ++i) {
+            a[i] = a[i] + a[i + n];
+        }
+    }
+    return a[0];
+}
+
+// A = R H R^T in float64 for H = (h + h^T)/2 (h 256x256 row-major) or H = diag(iw)
+static void itq3_hess_rotate(const float * h, const float * iw, double * A) {
+    for (int i = 0; i < QK_ITQ; ++i) {
+        for (int j = 0; j < QK_ITQ; ++j) {
+            double v;
+            if (h) {
+                v = (0.5*((double) h[i*QK_ITQ + j] + (double) h[j*QK_ITQ + i]))*(double) (itq3_signs[i]*itq3_signs[j]);
+            } else {
+                v = i == j ? (double) iw[i] : 0.0;
+            }
+            A[i*QK_ITQ + j] = v;
+        }
+    }
+    for (int i = 0; i < QK_ITQ; ++i) {
+        itq3_fwht64(A + i*QK_ITQ, 1);  // rows
+    }
+    for (int j = 0; j < QK_ITQ; ++j) {
+        itq3_fwht64(A + j, QK_ITQ);    // columns
+    }
+}
+
+// normalise, damp and factor A (consumed; becomes L); false if A is degenerate (the plain quantiser is used)
+static bool itq3_ldlq_factor(double * A, double damp, struct itq3_ldlq * f) {
+    double dg[QK_ITQ], v[QK_ITQ];
+    for (int i = 0; i < QK_ITQ*QK_ITQ; ++i) {
+        if (!isfinite(A[i])) {
+            return false;
+        }
+    }
+    for (int i = 0; i < QK_ITQ; ++i) {
+        dg[i] = A[i*QK_ITQ + i];
+    }
+    const double mu = itq3_tree64(dg)*(1.0/256);
+    if (!(mu > 0) || !isfinite(mu)) {
+        return false;
+    }
+    for (int i = 0; i < QK_ITQ*QK_ITQ; ++i) {
+        A[i] = A[i]/mu;
+    }
+    for (int i = 0; i < QK_ITQ; ++i) {
+        A[i*QK_ITQ + i] = A[i*QK_ITQ + i] + damp;
+    }
+    double * V = f->V;
+    memset(V, 0, QK_ITQ*QK_ITQ*sizeof(double));
+    // backward Cholesky on the upper triangle: k = 255..0
+    for (int k = QK_ITQ - 1; k >= 0; --k) {
+        const double p = A[k*QK_ITQ + k];
+        if (!(p > 0) || !isfinite(p)) {
+            return false;
+        }
+        const double vkk = sqrt(p);
+        V[k*QK_ITQ + k] = vkk;
+        for (int i = 0; i < k; ++i) {
+            v[i] = A[i*QK_ITQ + k]/vkk;
+            V[i*QK_ITQ + k] = v[i];
+        }
+        for (int i = 0; i < k; ++i) {
+            double * Ai = A + i*QK_ITQ;
+            const double vi = v[i];
+            for (int j = i; j < k; ++j) {
+                Ai[j] = Ai[j] - vi*v[j];
+            }
+        }
+    }
+    double * L = A;
+    memset(L, 0, QK_ITQ*QK_ITQ*sizeof(double));
+    for (int k = 0; k < QK_ITQ; ++k) {
+        for (int j = k + 1; j < QK_ITQ; ++j) {
+            L[k*QK_ITQ + j] = V[k*QK_ITQ + j]/V[j*QK_ITQ + j];
+        }
+    }
+    f->L = L;
+    for (int k = 0; k < QK_ITQ; ++k) {
+        f->b[k] = 0.0;
+    }
+    for (int j = 0; j < QK_ITQ; ++j) {
+        for (int k = j; k < QK_ITQ; ++k) {
+            f->b[k] = f->b[k] + V[j*QK_ITQ + k]*1.0;
+        }
+    }
+    double s = 0.0;
+    for (int k = 0; k < QK_ITQ; ++k) {
+        s = s + f->b[k]*f->b[k];
+    }
+    f->c11 = s;
+    return true;
+}
+
+static inline int itq3_code64(double x2) {
+    int q = 0;
+    for (int k = 0; k < 7; ++k) {
+        q += x2 >= (double) itq3_thr2[k];
+    }
+    return q;
+}
+
+// one block: the plain quantiser, then (when its step is usable) LDLQ codes and the A'-weighted refit
+static void itq3_ldlq_block(const float * GGML_RESTRICT w_in, const struct itq3_ldlq * f, block_itq3_s * GGML_RESTRICT out) {
+    itq3_quantize_block(w_in, NULL, out);
+    const float d = GGML_FP16_TO_FP32(out->d);
+    const float m = GGML_FP16_TO_FP32(out->m);
+    if (!(d > 0) || !isfinite(d) || !isfinite(m)) {
+        return; // flat block (or NaN/inf input): nothing to feed back
+    }
+    float w[QK_ITQ], y[QK_ITQ];
+    for (int i = 0; i < QK_ITQ; ++i) {
+        w[i] = w_in[i] > ITQ_W_CLAMP ? ITQ_W_CLAMP : (w_in[i] < -ITQ_W_CLAMP ? -ITQ_W_CLAMP : w_in[i]);
+    }
+    ggml_rq_itq3_rotate(w, y);
+    for (int i = 0; i < QK_ITQ; ++i) {
+        if (!isfinite(y[i])) {
+            return;
+        }
+    }
+    double t[QK_ITQ], a[QK_ITQ], c[QK_ITQ];
+    uint8_t q[QK_ITQ];
+    const double dd = d, mm = m, inv2 = 2.0/dd;
+    for (int i = 0; i < QK_ITQ; ++i) {
+        t[i] = (double) y[i];
+    }
+    // sequential rounding with error feedback
+    for (int k = 0; k < QK_ITQ; ++k) {
+        q[k] = (uint8_t) itq3_code64((t[k] - mm)*inv2);
+        const double e = (double) y[k] - (dd*(double) itq3_grid[q[k]] + mm);
+        const double * Lk = f->L + k*QK_ITQ;
+        for (int j = k + 1; j < QK_ITQ; ++j) {
+            t[j] = t[j] + Lk[j]*e;
+        }
+    }
+    // refit: minimise |V^T (y - d g - m 1)|^2 = (y - d g - m)^T A' (y - d g - m)
+    for (int k = 0; k < QK_ITQ; ++k) {
+        a[k] = 0.0;
+        c[k] = 0.0;
+    }
+    for (int j = 0; j < QK_ITQ; ++j) {
+        const double * Vj = f->V + j*QK_ITQ;
+        const double gj = (double) itq3_grid[q[j]];
+        const double yj = (double) y[j];
+        for (int k = j; k < QK_ITQ; ++k) {
+            a[k] = a[k] + Vj[k]*gj;
+            c[k] = c[k] + Vj[k]*yj;
+        }
+    }
+    double c00 = 0.0, c01 = 0.0, r0 = 0.0, r1 = 0.0;
+    for (int k = 0; k < QK_ITQ; ++k) {
+        c00 = c00 + a[k]*a[k];
+        c01 = c01 + a[k]*f->b[k];
+        r0  = r0  + a[k]*c[k];
+        r1  = r1  + f->b[k]*c[k];
+    }
+    const double c11 = f->c11;
+    const double det = c00*c11 - c01*c01;
+    if (det > 1e-9*(c00*c11) && isfinite(det)) {
+        const double dn = (r0*c11 - r1*c01)/det;
+        if (dn > 0 && isfinite(dn)) {
+            const ggml_half d16 = itq3_f16_sat((float) dn);
+            const double d2 = (double) GGML_FP16_TO_FP32(d16);
+            const double mn = (r1 - d2*c01)/c11;
+            if (d2 > 0 && isfinite(mn)) {
+                out->d = d16;
+                out->m = itq3_f16_sat((float) mn);
+            }
+        }
+    }
+    itq3_pack(q, out);
+}
+
+// LDLQ over rows: column block by column block, one factor each (H from xtx's Gram blocks or diag(imatrix))
+static size_t itq3_quantize_ldlq(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row,
+                                 const float * xtx, const float * imatrix) {
+    assert(n_per_row % QK_ITQ == 0);
+    const size_t row_size = ggml_row_size(GGML_TYPE_ITQ3_S, n_per_row);
+    const int64_t nb = n_per_row / QK_ITQ;
+    double * A = (double *) malloc(2*QK_ITQ*QK_ITQ*sizeof(double)); // 1 MiB: A (then L) and V
+    if (!A) {
+        GGML_LOG_WARN("%s: out of memory for the LDLQ factor, quantising without calibration\n", __func__);
+        return quantize_itq3_s(src, dst, nrow, n_per_row, NULL);
+    }
+    struct itq3_ldlq f;
+    f.L = A;
+    f.c11 = 0.0;
+    f.V = A + QK_ITQ*QK_ITQ;
+    for (int64_t ib = 0; ib < nb; ++ib) {
+        itq3_hess_rotate(xtx ? xtx + ib*QK_ITQ*QK_ITQ : NULL, imatrix ? imatrix + ib*QK_ITQ : NULL, A);
+        const bool ok = itq3_ldlq_factor(A, ITQ_LDLQ_DAMP, &f);
+        for (int64_t r = 0; r < nrow; ++r) {
+            block_itq3_s * yb = (block_itq3_s *) ((char *) dst + r*row_size) + ib;
+            const float * x = src + r*n_per_row + ib*QK_ITQ;
+            if (ok) {
+                itq3_ldlq_block(x, &f, yb);
+            } else {
+                itq3_quantize_block(x, NULL, yb);
+            }
+        }
+    }
+    free(A);
+    return nrow * row_size;
+}
+
+size_t ggml_rq_quantize_itq3_s_xtx(const float * src, void * dst, int64_t nrow, int64_t n_per_row, const float * xtx) {
+    if (!xtx) {
+        return quantize_itq3_s(src, dst, nrow, n_per_row, NULL);
+    }
+    return itq3_quantize_ldlq(src, dst, nrow, n_per_row, xtx, NULL);
 }
 
 void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_RESTRICT y, int64_t k) {

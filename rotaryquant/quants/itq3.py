@@ -51,6 +51,7 @@ __all__ = [
     "fwht256", "rotate", "rotate_inverse", "f16_sat",
     "quantize_codes", "pack_blocks", "unpack_blocks",
     "quantize_blocks", "quantize_rows", "dequantize_blocks", "dequantize_rows",
+    "DAMP", "hessian_rotated", "ldlq_factor", "LDLQFactor", "quantize_rows_ldlq",
 ]
 
 F32 = np.float32
@@ -427,3 +428,158 @@ def dequantize_rows(b2d) -> np.ndarray:
     nrows, nbytes = b.shape
     nbr = nbytes // BLOCK_BYTES
     return dequantize_blocks(b.reshape(nrows * nbr, BLOCK_BYTES)).reshape(nrows, nbr * QK)
+
+
+# --------------------------------------------------------------------------
+# LDLQ: error feedback in the rotated domain (docs/itq3-design.md §5.3)
+# --------------------------------------------------------------------------
+# float64, the same operations in the same order as itq3.c (itq3_hess_rotate, itq3_ldlq_factor,
+# itq3_ldlq_block): elementwise numpy ops, loops where C sums sequentially, never a BLAS dot.
+
+DAMP = 0.1                                       # lambda: A' = A/mean(diag A) + DAMP*I
+_F64 = np.float64
+_SS = np.outer(SIGNS, SIGNS).astype(_F64)         # S_i*S_j, exactly +-1
+_GRID64 = GRID.astype(_F64)
+_DET_EPS = 1e-9
+
+
+def hessian_rotated(xtx_block=None, iw=None) -> np.ndarray:
+    """A = R H R^T (float64, 256x256) for H = (xtx + xtx^T)/2 or H = diag(iw); R = FWHT256 diag(S)."""
+    if xtx_block is not None:
+        h = np.asarray(xtx_block, dtype=F32).astype(_F64)
+        a = (0.5 * (h + h.T)) * _SS
+    else:
+        a = np.diag(np.asarray(iw, dtype=F32).astype(_F64))
+    a = np.ascontiguousarray(_fwht_cols(np.ascontiguousarray(a.T)).T)      # every row
+    return _fwht_cols(a)                                                    # every column
+
+
+class LDLQFactor:
+    """The per-column-block factor: V (upper, A' = V V^T), L[k, j] = V_kj/V_jj (j > k), b = V^T 1, c11 = |b|^2."""
+
+    def __init__(self, v: np.ndarray, l: np.ndarray, b: np.ndarray, c11: float):  # noqa: E741
+        self.V, self.L, self.b, self.c11 = v, l, b, c11
+
+
+def ldlq_factor(a: np.ndarray, damp: float = DAMP) -> LDLQFactor | None:
+    """Normalise, damp and factor a rotated Hessian A (not modified); None if it is degenerate
+    (non-finite, mean diagonal not > 0, or a pivot not > 0): the plain quantiser is used then."""
+    a = np.array(a, dtype=_F64)
+    if not np.isfinite(a).all():
+        return None
+    mu = _tree(np.diag(a).copy()) * (1.0 / 256)
+    if not (mu > 0 and np.isfinite(mu)):
+        return None
+    a = a / mu
+    a[_I, _I] = a[_I, _I] + _F64(damp)
+    v = np.zeros((QK, QK))
+    for k in range(QK - 1, -1, -1):                 # backward Cholesky: A' = V V^T, V upper
+        p = a[k, k]
+        if not (p > 0 and np.isfinite(p)):
+            return None
+        vkk = np.sqrt(p)
+        v[k, k] = vkk
+        col = a[:k, k] / vkk
+        v[:k, k] = col
+        a[:k, :k] -= np.multiply.outer(col, col)
+    l = np.triu(v / np.diag(v)[None, :], 1)        # noqa: E741
+    b = np.zeros(QK)
+    for j in range(QK):
+        b[j:] = b[j:] + v[j, j:] * 1.0
+    c11 = _F64(0.0)
+    for k in range(QK):
+        c11 = c11 + b[k] * b[k]
+    return LDLQFactor(v, l, b, c11)
+
+
+def _idx64(x2: np.ndarray) -> np.ndarray:
+    f = np.floor(x2)
+    np.fmax(f, -256.0, out=f)
+    np.minimum(f, 255.0, out=f)
+    f += 256.0
+    return f.astype(np.intp)
+
+
+def _ldlq_chunk(w: np.ndarray, fac: LDLQFactor, q: np.ndarray, d16: np.ndarray, m16: np.ndarray) -> None:
+    """LDLQ codes and the A'-weighted refit for (n, 256) blocks w of one column block, in place on the plain
+    quantiser's (q, d16, m16); blocks whose plain step is unusable (flat, NaN/inf) keep the plain result."""
+    d = d16.astype(F32)
+    m = m16.astype(F32)
+    wc = np.where(w > W_CLAMP, W_CLAMP, np.where(w < -W_CLAMP, -W_CLAMP, w))
+    y = rotate(wc)
+    ok = (d > 0) & np.isfinite(d) & np.isfinite(m) & np.isfinite(y).all(axis=1)
+    sel = np.flatnonzero(ok)
+    if sel.size == 0:
+        return
+    yt = np.ascontiguousarray(y[sel].T).astype(_F64)     # (256, r)
+    dd = d[sel].astype(_F64)
+    mm = m[sel].astype(_F64)
+    inv2 = 2.0 / dd
+    t = yt.copy()
+    qq = np.empty(yt.shape, np.uint8)
+    for k in range(QK):                                  # sequential rounding with error feedback
+        qk = _LUT_Q[_idx64((t[k] - mm) * inv2)]
+        qq[k] = qk
+        e = yt[k] - (dd * _GRID64[qk.astype(np.intp)] + mm)
+        t[k + 1:] += fac.L[k, k + 1:, None] * e[None, :]
+    g = _GRID64[qq.astype(np.intp)]
+    a = np.zeros_like(yt)
+    c = np.zeros_like(yt)
+    for j in range(QK):                                  # a = V^T g, c = V^T y, summed over j in order
+        vj = fac.V[j, j:, None]
+        a[j:] += vj * g[j]
+        c[j:] += vj * yt[j]
+    c00 = np.zeros(sel.size)
+    c01 = np.zeros(sel.size)
+    r0 = np.zeros(sel.size)
+    r1 = np.zeros(sel.size)
+    b = fac.b
+    for k in range(QK):
+        c00 = c00 + a[k] * a[k]
+        c01 = c01 + a[k] * b[k]
+        r0 = r0 + a[k] * c[k]
+        r1 = r1 + b[k] * c[k]
+    c11 = fac.c11
+    det = c00 * c11 - c01 * c01
+    dn = (r0 * c11 - r1 * c01) / det
+    dn16 = f16_sat(dn.astype(F32))
+    d2 = dn16.astype(F32).astype(_F64)
+    mn = (r1 - d2 * c01) / c11
+    fit = (det > _DET_EPS * (c00 * c11)) & np.isfinite(det) & (dn > 0) & np.isfinite(dn) & (d2 > 0) & np.isfinite(mn)
+    q[sel] = qq.T
+    d16[sel[fit]] = dn16[fit]
+    m16[sel[fit]] = f16_sat(mn[fit].astype(F32))
+
+
+def quantize_rows_ldlq(w2d, xtx=None, imatrix=None, *, damp: float = DAMP) -> np.ndarray:
+    """Quantise a (nrows, n_per_row) float32 matrix with LDLQ (the C ``ggml_rq_quantize_itq3_s_xtx`` for xtx,
+    the LDLQ-diag path for an imatrix). xtx: (n_per_row/256, 256, 256) Gram matrices of the inputs (original
+    domain, raw sums); imatrix: (n_per_row,) column importances (H = diag). Neither: the plain quantiser."""
+    w = np.asarray(w2d, dtype=F32)
+    if w.ndim != 2 or w.shape[1] % QK:
+        raise ValueError(f"expected (nrows, n_per_row) with n_per_row % {QK} == 0, got {w.shape}")
+    nrows, npr = w.shape
+    nbr = npr // QK
+    if xtx is not None and imatrix is not None:
+        raise ValueError("give xtx or imatrix, not both")
+    if xtx is not None:
+        xtx = np.asarray(xtx, dtype=F32)
+        if xtx.shape != (nbr, QK, QK):
+            raise ValueError(f"xtx: expected shape ({nbr}, {QK}, {QK}), got {xtx.shape}")
+    elif imatrix is not None:
+        imatrix = np.asarray(imatrix, dtype=F32)
+        if imatrix.shape != (npr,):
+            raise ValueError(f"imatrix: expected shape ({npr},), got {imatrix.shape}")
+    else:
+        return quantize_rows(w)
+    blocks = np.ascontiguousarray(w.reshape(nrows, nbr, QK).transpose(1, 0, 2))     # (nbr, nrows, 256)
+    out = np.empty((nbr, nrows, BLOCK_BYTES), np.uint8)
+    with np.errstate(all="ignore"):
+        for ib in range(nbr):
+            q, d16, m16 = quantize_codes(blocks[ib])
+            a = hessian_rotated(xtx[ib]) if xtx is not None else hessian_rotated(iw=imatrix[ib * QK:(ib + 1) * QK])
+            fac = ldlq_factor(a, damp)
+            if fac is not None:
+                _ldlq_chunk(blocks[ib], fac, q, d16, m16)
+            out[ib] = pack_blocks(q, d16, m16)
+    return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(nrows, nbr * BLOCK_BYTES)
