@@ -4,7 +4,8 @@ do not fit a block, and quantisation of float32 rows to any of them.
 Every quantised type, ITQ3_S included, goes through ggml's own ``ggml_quantize_chunk``
 (``rotaryquant.bindings.quantize``, what llama-quantize calls; for ITQ3_S byte-identical to the numpy
 reference ``rotaryquant.quants.itq3``, and faster); F32/F16 are numpy casts and BF16 rounds to nearest
-even (as gguf-py does).
+even (as gguf-py does). ITQ3_S with an ``xtx`` (the inputs' 256x256 Gram blocks, from calibration) goes
+through ``ggml_rq_quantize_itq3_s_xtx`` (LDLQ, docs/itq3-design.md §5.3) instead.
 """
 
 from __future__ import annotations
@@ -110,19 +111,38 @@ def _bf16(x: np.ndarray) -> np.ndarray:
     return f32_to_bf16_bits(x).view(np.uint8)
 
 
-def _rows(x: np.ndarray, t: QT, imatrix: np.ndarray | None) -> np.ndarray:
+def _rows(x: np.ndarray, t: QT, imatrix: np.ndarray | None, xtx: np.ndarray | None = None) -> np.ndarray:
     from rotaryquant import bindings
 
+    if xtx is not None:
+        from rotaryquant.bindings.ggml import quantize_itq3_s_xtx
+
+        return quantize_itq3_s_xtx(x, xtx)
     return bindings.quantize(x, int(t), imatrix)
 
 
-def quantize(data: np.ndarray, t: QT, imatrix: np.ndarray | None = None, *, threads: int | None = None) -> np.ndarray:
+def _check_xtx(xtx: np.ndarray, cols: int) -> np.ndarray:
+    x = np.ascontiguousarray(xtx, dtype=np.float32)
+    if x.shape != (cols // 256, 256, 256):
+        raise ConvertError(f"xtx has shape {x.shape}; rows of {cols} values need ({cols // 256}, 256, 256) "
+                           "(one 256x256 Gram matrix per 256-column block)")
+    return x
+
+
+def quantize(data: np.ndarray, t: QT, imatrix: np.ndarray | None = None, *, xtx: np.ndarray | None = None,
+             threads: int | None = None) -> np.ndarray:
     """Quantise a float tensor (numpy shape (..., rows, cols)) to ``t``.
 
     Returns what GGUFWriter.add_tensor takes with ``raw_dtype=t``: float32/float16 arrays for F32/F16,
     uint8 bytes of shape (..., rows, row_bytes) otherwise. ``imatrix``: (cols,) or, for a 3-D expert
     tensor, (n_expert, cols) — one importance vector per expert, as llama-quantize applies it.
+    ``xtx``: ITQ3_S only, (cols/256, 256, 256) Gram matrices of the matmul's inputs (sums of x x^T per
+    256-column block, the original domain), shared by all matrices of a 3-D tensor; it takes precedence over
+    ``imatrix`` (which it contains, up to scale, as its diagonal). The bytes do not depend on ``threads``.
     """
+    if xtx is not None and t != QT.ITQ3_S:
+        raise ConvertError(f"second-order calibration (xtx) is only used by ITQ3_S, not {type_name(t)}",
+                           fix="quantise this tensor without xtx, or choose itq3_s")
     if t == QT.F32:
         return np.ascontiguousarray(data, dtype=np.float32)
     if t == QT.F16:
@@ -135,11 +155,12 @@ def quantize(data: np.ndarray, t: QT, imatrix: np.ndarray | None = None, *, thre
         raise ConvertError(f"rows of {cols} values do not fit {type_name(t)}'s block of {block_size(t)}")
     if t in NEEDS_IMATRIX and imatrix is None:
         raise ConvertError(f"{type_name(t)} needs an importance matrix", fix="pass --imatrix FILE")
+    gram = None if xtx is None else _check_xtx(xtx, cols)
     lead = x.shape[:-2] if x.ndim >= 2 else ()
     mats = x.reshape(-1, *x.shape[-2:]) if x.ndim >= 2 else x.reshape(1, 1, cols)
     n_mat = mats.shape[0]
     im = None
-    if imatrix is not None:
+    if imatrix is not None and gram is None:
         im = np.asarray(imatrix, dtype=np.float32).reshape(-1, cols)
         if im.shape[0] not in (1, n_mat):
             raise ConvertError(f"importance matrix has {im.shape[0]} rows for a tensor of {n_mat} matrices")
@@ -154,7 +175,7 @@ def quantize(data: np.ndarray, t: QT, imatrix: np.ndarray | None = None, *, thre
 
     def run(job: tuple) -> None:
         e, r0, r1, w = job
-        out[e, r0:r1] = _rows(np.ascontiguousarray(mats[e, r0:r1]), t, w)
+        out[e, r0:r1] = _rows(np.ascontiguousarray(mats[e, r0:r1]), t, w, gram)
 
     if threads == 1 or len(jobs) == 1:
         for j in jobs:
