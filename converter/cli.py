@@ -7,6 +7,7 @@ import logging
 import sys
 import traceback
 
+from rotaryquant.converter import kcenter
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.recipes import ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, RECIPES
@@ -55,8 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the same for activation kurtosis when --imatrix is given (default {ACT_KURTOSIS_THRESHOLD:g})")
     p.add_argument("--no-promote", action="store_true", help="measure kurtosis but never promote")
     p.add_argument("--calibrate", nargs="?", const="", default=None, metavar="TEXT",
-                   help="then measure K-cache centring statistics on TEXT (default: the packaged calibration "
-                        "text) and store them in the output, as rq-calibrate does")
+                   help="one llama.cpp pass over TEXT (default: the packaged calibration text) on the source "
+                        "(a GGUF) or a temporary Q8_0 conversion of it (HF), measuring (1) per 256-column block "
+                        "the Gram matrix of every ITQ3_S weight's inputs, which the ITQ3_S quantiser then "
+                        "minimises the output error with (LDLQ), and (2) K-cache centring statistics, stored in "
+                        "the output as rq-calibrate does. See docs/converter.md")
+    p.add_argument("--calibration-tokens", type=int, default=kcenter.DEFAULT_TOKENS, metavar="N",
+                   help=f"tokens of TEXT to use (default {kcenter.DEFAULT_TOKENS}, at least {kcenter.MIN_TOKENS})")
+    p.add_argument("--save-calibration", metavar="FILE.npz",
+                   help="with --calibrate: also save the measured statistics, for --calibration-data")
+    p.add_argument("--calibration-data", metavar="FILE.npz",
+                   help="reuse statistics saved with --save-calibration (refused when the model's vocabulary "
+                        "or tensors differ from the one they were measured on)")
     p.add_argument("--dry-run", action="store_true", help="print the plan (types and why) without writing")
     p.add_argument("--table", choices=("changes", "full", "none"), default="changes",
                    help="per-tensor table: only promoted/overridden/fallback tensors (default), all, or none")
@@ -78,11 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not args.output:
         print("rq-convert: error: no output file given (rq-convert SOURCE OUT.gguf, or --dry-run)", file=sys.stderr)
         return 2
+    if args.calibration_data and args.calibrate is not None:
+        print("rq-convert: error: --calibrate measures statistics, --calibration-data reuses them; give one",
+              file=sys.stderr)
+        return 2
+    if args.save_calibration and args.calibrate is None:
+        print("rq-convert: error: --save-calibration needs --calibrate TEXT", file=sys.stderr)
+        return 2
     opts = Options(recipe=args.recipe, tensor_types=args.tensor_type, imatrix=args.imatrix,
                    kurtosis_threshold=args.kurtosis_threshold, act_kurtosis_threshold=args.act_kurtosis_threshold,
                    promote=not args.no_promote, measure=True if args.table == "full" or args.dry_run else None,
                    dry_run=args.dry_run, threads=args.threads, tensor_backend=args.tensor_backend,
-                   progress=not args.no_progress, verbose=args.verbose)
+                   progress=not args.no_progress, verbose=args.verbose, calibrate=args.calibrate,
+                   calibration_data=args.calibration_data, save_calibration=args.save_calibration,
+                   calibration_tokens=args.calibration_tokens)
     try:
         res = convert(args.source, args.output, opts)
     except ConvertError as e:
@@ -93,16 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("rq-convert: interrupted; no output written", file=sys.stderr)
         return 130
-    if args.calibrate is not None and res.output is not None:
-        from rotaryquant.converter import kcenter
-
-        try:
-            kcenter.calibrate(res.output, res.output, text=args.calibrate or None, progress=not args.no_progress)
-        except (ConvertError, KeyboardInterrupt) as e:
-            res.output.unlink(missing_ok=True)
-            print(f"rq-convert: error: calibration failed, no output written: {e}", file=sys.stderr)
-            return 1
-        res.notes.append("K-cache calibration stored (rotaryquant.k_center.*)")
     pl = res.planner
     if args.table != "none":
         rows = pl.table(full=args.table == "full" or args.dry_run)

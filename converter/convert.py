@@ -16,11 +16,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from rotaryquant.converter import gguf_source, hf
+from rotaryquant.converter import gguf_source, hf, kcenter
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.imatrix import check_shape, load_imatrix
@@ -28,6 +28,9 @@ from rotaryquant.converter.qtypes import FLOAT_TYPES, QT, file_type_for, quantiz
 from rotaryquant.converter.recipes import (ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, Planner, get_recipe,
                                            parse_override)
 from rotaryquant.converter.writer import META_PREFIX, StreamingWriter
+
+if TYPE_CHECKING:
+    from rotaryquant.converter.calibration import Stats
 
 log = logging.getLogger("rq-convert")
 FORMAT_VERSION = 1  # bump when the rotaryquant.converter.* metadata changes meaning
@@ -57,6 +60,12 @@ class Options:
     tensor_backend: str = "auto"                 # auto | numpy | torch (HF input only)
     progress: bool = True
     verbose: bool = False
+    # second-order (ITQ3_S) and K-centring calibration, one llama.cpp pass (see calibration.py)
+    calibrate: str | Path | None = None          # calibration text; "" = the packaged calibration text
+    calibration_data: str | Path | None = None   # reuse statistics saved with save_calibration (.npz)
+    save_calibration: str | Path | None = None   # also write the measured statistics there (.npz)
+    calibration_tokens: int = kcenter.DEFAULT_TOKENS
+    calibration_ctx: int = 2048
 
 
 @dataclass
@@ -71,6 +80,8 @@ class Result:
     file_type: str | None = None
     output_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    calibration: Stats | None = None
+    calibrated: list[str] = field(default_factory=list)   # tensors quantised with their Gram blocks
 
     @property
     def weights_per_second(self) -> float:
@@ -133,7 +144,9 @@ def eager(t: Any) -> np.ndarray:
 
 
 def _make_sink(planner: Planner, keep_float: Callable[[str], bool | None], imatrix: dict[str, np.ndarray],
-               opts: Options, bar: Any) -> Callable[..., Any]:
+               opts: Options, bar: Any, result: Result) -> Callable[..., Any]:
+    stats = result.calibration
+
     def sink(name: str, tensor: Any, raw_dtype: Any) -> tuple[np.ndarray, QT] | None:
         if raw_dtype is not None and QT(raw_dtype) not in FLOAT_TYPES:
             return None                                   # already-packed bytes (upstream's own quantisers)
@@ -155,16 +168,29 @@ def _make_sink(planner: Planner, keep_float: Callable[[str], bool | None], imatr
             bar.update(arr.size)
         if opts.dry_run:
             return None
-        q = quantize(arr, d.qtype, None if d.qtype in FLOAT_TYPES else im, threads=opts.threads)
+        xtx = None
+        if stats is not None and name in stats.shapes:
+            if tuple(arr.shape[-2:]) != stats.shapes[name]:
+                raise ConvertError(f"calibration statistics for {name} are for shape {stats.shapes[name]}, the "
+                                   f"tensor is {tuple(arr.shape)}", fix="measure them on this model with --calibrate")
+            if d.qtype == QT.ITQ3_S:
+                xtx = stats.for_tensor(name)
+        q = quantize(arr, d.qtype, None if d.qtype in FLOAT_TYPES else im, xtx=xtx, threads=opts.threads)
+        if xtx is not None:
+            result.calibrated.append(name)
         return q, d.qtype
 
     return sink
 
 
-def _finalize(planner: Planner, opts: Options, src: Path, imatrix_path: Path | None) -> Callable[[Any], None]:
+def _finalize(planner: Planner, opts: Options, src: Path, imatrix_path: Path | None,
+              result: Result) -> Callable[[Any], None]:
     from gguf import GGUFValueType as V
 
     def before_header(w: StreamingWriter) -> None:
+        stats = result.calibration
+        if stats is not None and opts.calibration_data and result.kind == "hf":
+            _check_hf_vocab(stats, w, src)
         ft = file_type_for(planner.weights_per_type())
         w.set_kv("general.file_type", int(ft), V.UINT32)
         rc = planner.recipe
@@ -184,8 +210,43 @@ def _finalize(planner: Planner, opts: Options, src: Path, imatrix_path: Path | N
         if imatrix_path is not None:
             w.set_kv(META_PREFIX + "imatrix", imatrix_path.name, V.STRING)
         w.set_kv(META_PREFIX + "source", src.name, V.STRING)
+        if stats is not None:
+            _write_calibration(w, stats, result)
 
     return before_header
+
+
+def _kv_type(v: Any) -> tuple[Any, Any, Any]:
+    from gguf import GGUFValueType as V
+
+    if isinstance(v, np.ndarray):
+        return v.tolist(), V.ARRAY, V.INT32 if v.dtype.kind == "i" else V.FLOAT32
+    if isinstance(v, str):
+        return v, V.STRING, None
+    if isinstance(v, (int, np.integer)):
+        return int(v), V.UINT32, None
+    return float(v), V.FLOAT32, None
+
+
+def _write_calibration(w: StreamingWriter, stats: Stats, result: Result) -> None:
+    from gguf import GGUFValueType as V
+
+    if stats.kcal is not None:
+        for k, v in stats.kcal.metadata().items():   # the same keys rq-calibrate writes
+            w.set_kv(k, *_kv_type(v))
+    w.set_kv(META_PREFIX + "calibration", f"{stats.n_tokens} tokens of {stats.text_name} "
+             f"(sha256 {stats.text_sha256[:16]})", V.STRING)
+    if result.calibrated:
+        w.set_kv(META_PREFIX + "calibrated", list(result.calibrated), V.ARRAY, V.STRING)
+
+
+def _check_hf_vocab(stats: Stats, w: StreamingWriter, src: Path) -> None:
+    from rotaryquant.converter.calibration import Identity
+
+    tok = w.kv_data[0].get("tokenizer.ggml.tokens")
+    if tok is None:
+        raise ConvertError(f"{src} has no vocabulary to check the calibration statistics against")
+    stats.check(Identity.of_tokens(w.arch, list(tok.value)), stats.shapes, what=src.name)
 
 
 def _progress(total: int, opts: Options) -> Any:
@@ -217,7 +278,7 @@ def _convert_hf(folder: Path, tmp_out: Path, data_file: Any, planner: Planner, i
         log.warning(note)
     bar = _progress(src.n_weights, opts)
     holder: dict[str, Any] = {}
-    sink = _make_sink(planner, lambda n: holder["model"]._rq_keep_float.get(n), imatrix, opts, bar)
+    sink = _make_sink(planner, lambda n: holder["model"]._rq_keep_float.get(n), imatrix, opts, bar, result)
 
     def make_writer(arch: str, old: Any) -> StreamingWriter:
         return StreamingWriter(arch, sink=sink, data_file=data_file, dry_run=opts.dry_run,
@@ -257,7 +318,7 @@ def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, i
     for t in r.tensors:
         role = R.classify(t.name, len(t.shape))
         keep[t.name] = role in R.KEPT_F32 or (gguf_source.stored_f32(t) and role == R.OTHER)
-    sink = _make_sink(planner, keep.get, imatrix, opts, bar := _progress(result.n_weights, opts))
+    sink = _make_sink(planner, keep.get, imatrix, opts, bar := _progress(result.n_weights, opts), result)
     w = StreamingWriter(gguf_source.architecture(r), sink=sink, data_file=data_file, dry_run=opts.dry_run,
                         before_header=before_header)
     gguf_source.copy_metadata(r, w)
@@ -279,6 +340,135 @@ def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, i
         w.close()
         if bar is not None:
             bar.close()
+
+
+# --- calibration ------------------------------------------------------------------------------------
+
+_HIGH_PRECISION = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)
+
+
+def itq3_wanted(planner: Planner) -> Callable[[str], bool]:
+    """Weights the recipe (or a --tensor-type override) makes ITQ3_S, before the kurtosis rule: the
+    ones worth second-order statistics."""
+    def want(name: str) -> bool:
+        role = R.classify(name, 2)
+        t = planner.recipe.types.get(role)
+        for ov in planner.overrides:
+            if ov.regex.search(name):
+                t = ov.qtype
+                break
+        return t == QT.ITQ3_S
+
+    return want
+
+
+def _calibration_text(opts: Options) -> tuple[bytes, str]:
+    text = opts.calibrate
+    if not text:
+        from rotaryquant.eval.data import calibration_text
+
+        text = calibration_text()
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ConvertError(f"calibration text {path} does not exist", fix="give a UTF-8 text file: --calibrate FILE")
+    if opts.calibration_tokens < kcenter.MIN_TOKENS:
+        raise ConvertError(f"{opts.calibration_tokens} calibration tokens are below the minimum {kcenter.MIN_TOKENS}",
+                           fix=f"use {kcenter.MIN_TOKENS} or more")
+    data = path.read_bytes()[: opts.calibration_tokens * 16]  # ~4 bytes per token: ample
+    if len(data) < kcenter.MIN_TOKENS:                        # a token is at least one byte: fail early
+        raise ConvertError(f"calibration text {path.name} is too short: {len(data)} bytes, at least "
+                           f"{kcenter.MIN_TOKENS} tokens are needed", fix="pass a longer text with --calibrate")
+    return data, path.name
+
+
+def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner, opts: Options,
+                 result: Result) -> Stats | None:
+    """The statistics for this conversion: loaded (--calibration-data) or measured in one pass over the
+    source (a GGUF) or a temporary Q8_0 conversion of it (an HF model), deleted afterwards."""
+    from rotaryquant.converter import calibration as C
+
+    want = itq3_wanted(planner)
+    if opts.calibration_data:
+        stats = C.Stats.load(opts.calibration_data)
+        if kind == "gguf":
+            stats.check(C.Identity.of_gguf(src), C.gguf_shapes(src), what=src.name)
+        result.notes.append(f"calibration statistics from {Path(opts.calibration_data).name}: {stats.summary()}")
+        return stats
+    if opts.calibrate is None:
+        return None
+    data, text_name = _calibration_text(opts)
+    tmp_q8 = None
+    try:
+        if kind == "gguf":
+            model = src
+            low = sorted({t.tensor_type.name for t in gguf_source.open_gguf(src).tensors
+                          if len(t.shape) >= 2 and R.classify(t.name, len(t.shape)) in R.PROMOTABLE
+                          and t.tensor_type not in _HIGH_PRECISION})
+            if low:
+                result.notes.append(f"calibration ran on {src.name} itself, whose linear weights are "
+                                    f"{'/'.join(low)} (a higher-precision source measures better statistics)")
+        else:
+            tmp_q8 = _tmp(parent, name, ".calib.tmp")
+            log.info("converting %s to a temporary Q8_0 GGUF for calibration", src)
+            convert(src, tmp_q8, Options(recipe="q8_0", tensor_backend=opts.tensor_backend, threads=opts.threads,
+                                         progress=opts.progress, verbose=opts.verbose))
+            model = tmp_q8
+        stats = _measure(model, data, text_name, want, opts, what=src.name)
+    finally:
+        if tmp_q8 is not None:
+            with contextlib.suppress(OSError):
+                tmp_q8.unlink()
+    result.notes.append(stats.summary())
+    result.notes.extend(stats.notes)
+    if opts.save_calibration:
+        result.notes.append(f"calibration statistics saved to {stats.save(opts.save_calibration)}")
+    return stats
+
+
+def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], bool], opts: Options, *,
+             what: str) -> Stats:
+    from rotaryquant.converter import calibration as C
+
+    cands = [n for n, shp in C.gguf_shapes(model).items() if len(shp) == 2 and want(n) and shp[-1] % C.BLOCK == 0]
+    try:
+        kcenter.check_model(model)
+        k_why = None
+    except ConvertError as e:
+        k_why = e.message
+    if not cands and k_why is not None:
+        raise ConvertError(f"nothing to calibrate in {what}: no weight of recipe {opts.recipe} is ITQ3_S with rows "
+                           f"of a multiple of {C.BLOCK} values, and K centring does not apply ({k_why})",
+                           fix="drop --calibrate, or use an ITQ3_S recipe (e.g. --recipe itq3)")
+    stats = C.collect(model, data, text_name=text_name, want=want, k_stats=k_why is None,
+                      n_tokens=opts.calibration_tokens, n_ctx=opts.calibration_ctx, threads=opts.threads,
+                      progress=opts.progress, verbose=opts.verbose)
+    if not cands:
+        stats.notes.append(f"no ITQ3_S weight with rows of a multiple of {C.BLOCK} in recipe {opts.recipe}: "
+                           "K centring only")
+    if k_why is not None:
+        stats.notes.append(f"K centring not measured: {k_why}")
+    missing = [n for n in cands if n not in stats.group_of]
+    if missing:
+        why = {stats.skipped[n] for n in missing if n in stats.skipped} or {"no matmul read them"}
+        stats.notes.append(f"{len(missing)} ITQ3_S candidate weight(s) got no statistics ({'; '.join(sorted(why))}), "
+                           f"e.g. {missing[0]}")
+    return stats
+
+
+def _check_calibration_used(result: Result, opts: Options) -> None:
+    stats = result.calibration
+    if stats is None or opts.dry_run:
+        return
+    if opts.calibration_data:
+        seen = {d.name for d in result.planner.decisions}
+        absent = [n for n in stats.shapes if n not in seen]
+        if absent:
+            raise ConvertError(f"calibration statistics name tensor {absent[0]}, which {result.source.name} does not "
+                               "have", fix="measure statistics for this model with --calibrate TEXT")
+    n_itq3 = sum(1 for d in result.planner.decisions if d.qtype == QT.ITQ3_S)
+    if n_itq3:
+        result.notes.append(f"{len(result.calibrated)} of {n_itq3} ITQ3_S tensors quantised with their input "
+                            "statistics (LDLQ)")
 
 
 # --- entry point ------------------------------------------------------------------------------------
@@ -311,8 +501,13 @@ def convert(source: str | Path, output: str | Path | None, opts: Options | None 
     try:
         with open(data_path, "w+b") as data_file:
             run = _convert_hf if kind == "hf" else _convert_gguf
+            if not opts.dry_run:
+                result.calibration = _calibration(kind, src, parent, name, planner, opts, result)
+            elif opts.calibrate is not None or opts.calibration_data:
+                result.notes.append("dry run: calibration not run")
             run(src, tmp_out, data_file, planner, imatrix, opts,
-                _finalize(planner, opts, src, im_path), result)
+                _finalize(planner, opts, src, im_path, result), result)
+            _check_calibration_used(result, opts)
         if not opts.dry_run:
             assert out is not None
             os.replace(tmp_out, out)

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -169,20 +169,52 @@ def _read_f32(lib: Any, t: int) -> np.ndarray | None:
     return np.array(arr, np.float32)
 
 
+class Hook(Protocol):
+    """A second statistic gathered in the same pass (see :class:`calibration.GramCollector`)."""
+
+    def ask(self, t: int) -> bool: ...
+    def take(self, t: int) -> bool: ...
+    def new_batch(self) -> None: ...
+
+
 def collect(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAULT_TOKENS, n_ctx: int = 2048,
             threads: int | None = None, progress: bool = True, verbose: bool = False) -> Calibration:
     """Run the model over the text (F16 cache, so nothing is rewritten) and gather the statistics."""
+    cal, _ = run_pass(model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
+                      progress=progress, verbose=verbose)
+    assert cal is not None
+    return cal
+
+
+def run_pass(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAULT_TOKENS, n_ctx: int = 2048,
+             threads: int | None = None, progress: bool = True, verbose: bool = False, hook: Hook | None = None,
+             k_stats: bool = True) -> tuple[Calibration | None, int]:
+    """One pass over the text: K statistics when ``k_stats``, and whatever ``hook`` gathers from the
+    nodes it asks for. Returns (K calibration or None, tokens evaluated)."""
     import llama_cpp as L
     from rotaryquant.bindings.capture import _base
 
     lib = _base()
     stats: dict[int, LayerStats] = {}
     pending_q: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+    k_names = ("attn_q_in-", "attn_k_in-") if k_stats else ()  # attn_v_in-: not needed here
 
     def cb(t: int, ask: bool, _ud: int) -> bool:
+        try:
+            return _cb(t, ask)
+        except BaseException as e:  # noqa: BLE001 (ctypes would print and swallow it)
+            errors.append(e)
+            return False  # stops the graph: llama_decode fails and the error is raised below
+
+    def _cb(t: int, ask: bool) -> bool:
         name = lib.ggml_get_name(t).decode()
         if ask:
-            return name.startswith(("attn_q_in-", "attn_k_in-"))  # attn_v_in-: not needed here
+            return name.startswith(k_names) or (hook is not None and hook.ask(t))  # startswith(()) is False
+        if hook is not None and hook.take(t):
+            return True
+        if not name.startswith(k_names):
+            return True
         a = _read_f32(lib, t)
         if a is None:
             return True
@@ -206,14 +238,15 @@ def collect(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAULT
     if not verbose:
         llog.set_verbose(False)  # llama.cpp's errors still print
     try:
-        return _collect(L, lib, cb_c, stats, model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx,
-                        threads=threads, progress=progress)
+        return _collect(L, cb_c, stats, model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx,
+                        threads=threads, progress=progress, hook=hook, k_stats=k_stats, errors=errors)
     finally:
         llog.logger.setLevel(level)
 
 
-def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text: bytes, *, text_name: str,
-             n_tokens: int, n_ctx: int, threads: int | None, progress: bool) -> Calibration:
+def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text: bytes, *, text_name: str,
+             n_tokens: int, n_ctx: int, threads: int | None, progress: bool, hook: Hook | None, k_stats: bool,
+             errors: list[BaseException]) -> tuple[Calibration | None, int]:
     mp = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
     if not mp:
         raise ConvertError(f"llama.cpp could not load {model}", fix="see the log above")
@@ -241,12 +274,17 @@ def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: P
         if not ctx:
             raise ConvertError(f"could not create a llama.cpp context for {model}", fix="see the log above")
         try:
-            bar = _bar(sum(len(c) for c in chunks), progress)
+            bar = _bar(sum(len(c) for c in chunks), progress, desc="calibrating" if hook else "calibrating K")
             for c in chunks:
                 toks = ([bos] if bos is not None else []) + c
                 arr = (L.llama_token * len(toks))(*toks)
                 L.llama_memory_clear(L.llama_get_memory(ctx), True)
-                if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks))) != 0:
+                if hook is not None:
+                    hook.new_batch()
+                rc = L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks)))
+                if errors:
+                    raise errors[0]
+                if rc != 0:
                     raise ConvertError("llama_decode failed during calibration", fix="see the log above")
                 bar.update(len(c))
             bar.close()
@@ -254,6 +292,9 @@ def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: P
             L.llama_free(ctx)
     finally:
         L.llama_model_free(mp)
+    n = sum(len(c) for c in chunks)
+    if not k_stats:
+        return None, n
     if not stats:
         raise ConvertError(f"{model.name}: no attention layer wrote a K cache during calibration",
                            fix="K calibration is for transformer models with a KV cache")
@@ -261,9 +302,8 @@ def _collect(L: Any, lib: Any, cb_c: Any, stats: dict[int, LayerStats], model: P
     if any(stats[il].q_absmax.max() == 0 for il in layers):
         raise ConvertError("queries were not captured for every layer", fix="is this the patched llama.cpp?")
     derived = [stats[il].derive() for il in layers]
-    return Calibration(layers, [d[0] for d in derived], [d[1] for d in derived],
-                       tokens=sum(len(c) for c in chunks), text_name=text_name,
-                       text_sha256=hashlib.sha256(text).hexdigest())
+    return Calibration(layers, [d[0] for d in derived], [d[1] for d in derived], tokens=n, text_name=text_name,
+                       text_sha256=hashlib.sha256(text).hexdigest()), n
 
 
 def _bar(total: int, enabled: bool, unit: str = "tok", desc: str = "calibrating K") -> Any:
