@@ -822,12 +822,30 @@ class Plan:
         return d
 
 
-def _kv_bits(spec: str) -> float:
+# llama.cpp stores isoquant3_0/4_0 on heads that are all 64 wide as these siblings (more bits per value)
+_ISO64 = {"isoquant3_0": "isoquant3_64", "isoquant4_0": "isoquant4_64"}
+
+
+def _kv_bits(spec: str, head: tuple[int, int] = (128, 128)) -> float:
+    """Bits per cached value of a K/V spec, for heads of (K, V) width ``head``."""
     from rotaryquant import bindings
     from rotaryquant.eval import kvtypes
 
+    def bits(t: str, d: int) -> float:
+        t = _ISO64.get(t, t) if d == 64 else t
+        n = 64 if d == 64 else 128
+        return bindings.row_size(bindings.type_from_name(t), n) * 8 / n
+
     k, v = kvtypes.split(spec)
-    return sum(bindings.row_size(bindings.type_from_name(t), 128) * 8 / 128 for t in (k, v)) / 2
+    return (bits(k, head[0]) + bits(v, head[1])) / 2
+
+
+def _head_widths(h: Header) -> tuple[int, int]:
+    n_embd = int(h.get("embedding_length", 0) or 0)
+    heads = h.get("attention.head_count", 1) or 1
+    nh = max(int(heads[0] if isinstance(heads, list) else heads), 1)
+    dk = int(h.get("attention.key_length", n_embd // nh) or n_embd // nh)
+    return dk, int(h.get("attention.value_length", dk) or dk)
 
 
 def _layer_dims(h: Header) -> list[tuple[int, int]]:
@@ -1117,7 +1135,7 @@ def make_plan(model: str | Path, *, budget: int, ctx: int, parallel: int = 1, de
             for spec in specs:
                 cost = dr.contexts[spec]
                 transient = transient_bytes(f16, spec)
-                c = Candidate(w.name, spec, ctx, n_ctx, bpw=w.bpw, kv_bits=_kv_bits(spec),
+                c = Candidate(w.name, spec, ctx, n_ctx, bpw=w.bpw, kv_bits=_kv_bits(spec, _head_widths(h)),
                               weights_quality=w.quality,
                               kv_quality=_kv_quality(spec, meas, km, same and w.name == "keep"))
                 if cost.error:

@@ -99,6 +99,10 @@ def test_isoquant_on_head_size_64_is_the_64_wide_type(smollm2):
     assert not cost.error, cost.error
     want = 2 * 30 * 512 * bindings.row_size(bindings.GGMLType.ISOQUANT3_64, 3 * 64)   # K+V, L, T, H_kv*d
     assert abs(cost.kv - want) <= 0.01 * P.MiB, (cost.kv, want)
+    # and ranked at that type's bits per value, which is what the cache holds (llama.cpp pads the cache a little: 0.2 %)
+    assert P._kv_bits("isoquant3_0", P._head_widths(P.read_header(smollm2))) == pytest.approx(8 * cost.kv / (2 * 30 * 512 * 3 * 64), rel=5e-3)
+    assert P._kv_bits("isoquant3_0", (64, 64)) > P._kv_bits("isoquant3_0") == pytest.approx(3.125)
+    assert P._kv_bits("q8_0/isoquant4_0", (64, 64)) == pytest.approx((8.5 + 4.25) / 2)
 
 
 def test_recipe_prediction_equals_rq_convert_output(toy_moe):
