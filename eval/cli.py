@@ -19,14 +19,14 @@ from pathlib import Path
 from rotaryquant import assets, paths
 from rotaryquant.bindings import RQTypeError
 from rotaryquant.eval import (ablation, convertspeed, data, decode, gate, isovariants, kvbench, kvmemory,
-                              kvquality, kvtypes, niah, perplexity, report, serve, weights)
+                              kvquality, kvtypes, niah, perplexity, report, serve, weights, weightspeed)
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
 GEMMA = "GGUF (default: the embedded Gemma3-270M)"
 ERRORS = (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchError, niah.NiahError,
           serve.ServeError, RQTypeError, decode.DecodeError, kvbench.BenchError,
-          convertspeed.ConvertSpeedError, ValueError)
+          convertspeed.ConvertSpeedError, weightspeed.WeightSpeedError, ValueError)
 
 
 def _write(stem: Path, res: dict | list, md: str) -> None:
@@ -176,6 +176,12 @@ def cmd_convert_speed(ns: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="rq-convert-bench-", dir=ns.work_dir) as td:
         rows = convertspeed.run(plan, Path(td), nice=ns.nice)
     _write(ns.out, convertspeed.as_dict(rows, meta), convertspeed.to_markdown(rows, meta))
+
+
+def cmd_weight_speed(ns: argparse.Namespace) -> None:
+    res = weightspeed.measure(ns.files, rounds=ns.rounds, n_prompt=ns.n_prompt, n_gen=ns.n_gen, threads=ns.threads)
+    res["command"] = " ".join([ns.prog, *ns.argv])
+    _write(ns.out, res, weightspeed.to_markdown(res))
 
 
 def cmd_isoquant_variants(ns: argparse.Namespace) -> None:
@@ -332,6 +338,13 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     c.add_argument("--tiny", action="store_true", help="smoke run (seconds): SmolLM2, 2 layers, 1 recipe, HF")
     c.add_argument("--work-dir", type=Path, help="scratch folder (default: a temporary folder)")
     c.add_argument("--nice", type=int, default=0, help="run the measured processes at this niceness")
+
+    ws = add("weight-speed", "weight types' speed: llama-bench pp/tg per GGUF in interleaved rounds, medians, "
+             "per-round ratios to the first file", cmd_weight_speed, out="weight-speed", model=None)
+    ws.add_argument("files", nargs="+", type=Path, metavar="FILE", help="GGUF files; the first is the baseline")
+    ws.add_argument("-r", "--rounds", type=int, default=5, help="rounds, each running every file once")
+    ws.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens timed")
+    ws.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens timed")
 
     iv = add("isoquant-variants",
              "IsoQuant numpy reference per rotation variant x norm mode: MSE, attention error",
