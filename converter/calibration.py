@@ -170,10 +170,10 @@ class Identity:
         return Identity(arch, len(tokens), h.hexdigest())
 
     @staticmethod
-    def of_gguf(path: Path) -> Identity:
+    def of_gguf(path: Path, reader: Any = None) -> Identity:
         from rotaryquant.converter.gguf_source import architecture, open_gguf
 
-        r = open_gguf(path)
+        r = reader if reader is not None else open_gguf(path)
         f = r.fields.get("tokenizer.ggml.tokens")
         if f is None:
             raise ConvertError(f"{path.name} has no vocabulary (tokenizer.ggml.tokens)",
@@ -181,11 +181,12 @@ class Identity:
         return Identity.of_tokens(architecture(r), list(f.contents()))
 
 
-def gguf_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+def gguf_shapes(path: Path, reader: Any = None) -> dict[str, tuple[int, ...]]:
     """Tensor name -> numpy shape, for every tensor of a GGUF."""
     from rotaryquant.converter.gguf_source import open_gguf
 
-    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in open_gguf(path).tensors}
+    r = reader if reader is not None else open_gguf(path)
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in r.tensors}
 
 
 # --- the statistics ----------------------------------------------------------------------------------
@@ -204,6 +205,7 @@ class Stats:
     text_name: str
     text_sha256: str
     skipped: dict[str, str] = field(default_factory=dict)
+    model_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)  # layer tensors of the model measured
     notes: list[str] = field(default_factory=list)
 
     def for_tensor(self, name: str) -> np.ndarray | None:
@@ -233,7 +235,7 @@ class Stats:
                 "group_of": self.group_of, "shapes": {k: list(v) for k, v in self.shapes.items()},
                 "tokens": self.tokens, "n_tokens": self.n_tokens, "text_name": self.text_name,
                 "text_sha256": self.text_sha256, "skipped": self.skipped,
-                "groups": list(self.xtx)}
+                "groups": list(self.xtx), "model_tensors": {k: list(v) for k, v in self.model_tensors.items()}}
         arrays: dict[str, np.ndarray] = {f"xtx_{i}": a for i, a in enumerate(self.xtx.values())}
         if self.kcal is not None:
             meta["k_tokens"] = self.kcal.tokens
@@ -276,7 +278,8 @@ class Stats:
                 from None
         return Stats(Identity(meta["arch"], int(meta["n_vocab"]), meta["vocab_sha256"]), xtx, meta["group_of"],
                      {k: (int(v[0]), int(v[1])) for k, v in meta["shapes"].items()}, meta["tokens"], kcal,
-                     int(meta["n_tokens"]), meta["text_name"], meta["text_sha256"], meta.get("skipped", {}))
+                     int(meta["n_tokens"]), meta["text_name"], meta["text_sha256"], meta.get("skipped", {}),
+                     {k: tuple(int(n) for n in v) for k, v in meta["model_tensors"].items()})
 
     def check(self, identity: Identity, shapes: dict[str, tuple[int, ...]], *, what: str) -> None:
         """Refuse statistics measured on another model (vocabulary, architecture or tensors differ)."""
@@ -289,20 +292,27 @@ class Stats:
             raise ConvertError(f"calibration statistics were measured with another vocabulary ({mine.n_vocab} "
                                f"tokens, sha256 {mine.vocab_sha256[:12]}) than {what}'s ({identity.n_vocab} "
                                f"tokens, sha256 {identity.vocab_sha256[:12]})", fix=fix)
-        for name, shp in self.shapes.items():
-            have = shapes.get(name)
-            if have is None:
-                raise ConvertError(f"calibration statistics name tensor {name}, which {what} does not have", fix=fix)
-            if tuple(have[-2:]) != tuple(shp):
-                raise ConvertError(f"calibration statistics for {name} are for shape {shp}, {what} has {have}",
-                                   fix=fix)
+        theirs = layer_tensors(shapes)
+        for name in sorted(set(self.model_tensors) | set(theirs)):
+            a, b = self.model_tensors.get(name), theirs.get(name)
+            if a is None or b is None:
+                raise ConvertError(f"calibration statistics were measured on a model {'without' if a is None else 'with'}"
+                                   f" tensor {name}, which {what} {'has' if a is None else 'does not have'}", fix=fix)
+            if tuple(a) != tuple(b):
+                raise ConvertError(f"calibration statistics were measured on a model whose {name} is {tuple(a)}, "
+                                   f"{what}'s is {tuple(b)}", fix=fix)
+
+
+def layer_tensors(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The identity part of a model's tensors: every 2-D+ blk.* tensor and its shape."""
+    return {k: tuple(v) for k, v in shapes.items() if k.startswith("blk.") and len(v) >= 2}
 
 
 # --- the pass ------------------------------------------------------------------------------------------
 
 def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], bool], k_stats: bool,
             n_tokens: int = kcenter.DEFAULT_TOKENS, n_ctx: int = 2048, threads: int | None = None,
-            progress: bool = True, verbose: bool = False) -> Stats:
+            progress: bool = True, verbose: bool = False, reader: Any = None) -> Stats:
     """One llama.cpp pass over ``text``: Gram blocks for the weights ``want`` accepts, and K centring
     when ``k_stats``."""
     from rotaryquant.bindings.capture import _base
@@ -315,5 +325,9 @@ def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], b
         xtx[g] = grams.sums.pop(g).astype(np.float32)
     group_of = {w: g for w, g in grams.group_of.items() if g in xtx}
     skipped = {w: why for w, why in grams.skipped.items() if w not in group_of}
-    return Stats(Identity.of_gguf(model), xtx, group_of, {w: grams.shapes[w] for w in group_of}, grams.tokens,
-                 kcal, n, text_name, hashlib.sha256(text).hexdigest(), skipped)
+    if reader is None:
+        from rotaryquant.converter.gguf_source import open_gguf
+
+        reader = open_gguf(model)
+    return Stats(Identity.of_gguf(model, reader), xtx, group_of, {w: grams.shapes[w] for w in group_of}, grams.tokens,
+                 kcal, n, text_name, hashlib.sha256(text).hexdigest(), skipped, layer_tensors(gguf_shapes(model, reader)))

@@ -246,7 +246,7 @@ def _check_hf_vocab(stats: Stats, w: StreamingWriter, src: Path) -> None:
     tok = w.kv_data[0].get("tokenizer.ggml.tokens")
     if tok is None:
         raise ConvertError(f"{src} has no vocabulary to check the calibration statistics against")
-    stats.check(Identity.of_tokens(w.arch, list(tok.value)), stats.shapes, what=src.name)
+    stats.check(Identity.of_tokens(w.arch, list(tok.value)), stats.model_tensors, what=src.name)
 
 
 def _progress(total: int, opts: Options) -> Any:
@@ -391,7 +391,8 @@ def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner
     if opts.calibration_data:
         stats = C.Stats.load(opts.calibration_data)
         if kind == "gguf":
-            stats.check(C.Identity.of_gguf(src), C.gguf_shapes(src), what=src.name)
+            r = gguf_source.open_gguf(src)
+            stats.check(C.Identity.of_gguf(src, r), C.gguf_shapes(src, r), what=src.name)
         result.notes.append(f"calibration statistics from {Path(opts.calibration_data).name}: {stats.summary()}")
         return stats
     if opts.calibrate is None:
@@ -401,12 +402,6 @@ def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner
     try:
         if kind == "gguf":
             model = src
-            low = sorted({t.tensor_type.name for t in gguf_source.open_gguf(src).tensors
-                          if len(t.shape) >= 2 and R.classify(t.name, len(t.shape)) in R.PROMOTABLE
-                          and t.tensor_type not in _HIGH_PRECISION})
-            if low:
-                result.notes.append(f"calibration ran on {src.name} itself, whose linear weights are "
-                                    f"{'/'.join(low)} (a higher-precision source measures better statistics)")
         else:
             tmp_q8 = _tmp(parent, name, ".calib.tmp")
             log.info("converting %s to a temporary Q8_0 GGUF for calibration", src)
@@ -429,9 +424,10 @@ def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], boo
              what: str) -> Stats:
     from rotaryquant.converter import calibration as C
 
-    cands = [n for n, shp in C.gguf_shapes(model).items() if len(shp) == 2 and want(n) and shp[-1] % C.BLOCK == 0]
+    r = gguf_source.open_gguf(model)   # one parse (a 150k-token vocabulary takes seconds)
+    cands = [n for n, shp in C.gguf_shapes(model, r).items() if len(shp) == 2 and want(n) and shp[-1] % C.BLOCK == 0]
     try:
-        kcenter.check_model(model)
+        kcenter.check_model(model, r)
         k_why = None
     except ConvertError as e:
         k_why = e.message
@@ -441,7 +437,12 @@ def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], boo
                            fix="drop --calibrate, or use an ITQ3_S recipe (e.g. --recipe itq3)")
     stats = C.collect(model, data, text_name=text_name, want=want, k_stats=k_why is None,
                       n_tokens=opts.calibration_tokens, n_ctx=opts.calibration_ctx, threads=opts.threads,
-                      progress=opts.progress, verbose=opts.verbose)
+                      progress=opts.progress, verbose=opts.verbose, reader=r)
+    low = sorted({t.tensor_type.name for t in r.tensors if len(t.shape) >= 2 and t.tensor_type not in _HIGH_PRECISION
+                  and R.classify(t.name, len(t.shape)) in R.PROMOTABLE})
+    if low:
+        stats.notes.append(f"calibration ran on {what} itself, whose linear weights are {'/'.join(low)} (a "
+                           "higher-precision source measures better statistics)")
     if not cands:
         stats.notes.append(f"no ITQ3_S weight with rows of a multiple of {C.BLOCK} in recipe {opts.recipe}: "
                            "K centring only")
@@ -459,12 +460,8 @@ def _check_calibration_used(result: Result, opts: Options) -> None:
     stats = result.calibration
     if stats is None or opts.dry_run:
         return
-    if opts.calibration_data:
-        seen = {d.name for d in result.planner.decisions}
-        absent = [n for n in stats.shapes if n not in seen]
-        if absent:
-            raise ConvertError(f"calibration statistics name tensor {absent[0]}, which {result.source.name} does not "
-                               "have", fix="measure statistics for this model with --calibrate TEXT")
+    if opts.calibration_data and result.kind == "hf":   # a GGUF source was checked before converting
+        stats.check(stats.identity, {d.name: d.shape for d in result.planner.decisions}, what=result.source.name)
     n_itq3 = sum(1 for d in result.planner.decisions if d.qtype == QT.ITQ3_S)
     if n_itq3:
         result.notes.append(f"{len(result.calibrated)} of {n_itq3} ITQ3_S tensors quantised with their input "

@@ -118,11 +118,12 @@ class Calibration:
 
 # --- checks ----------------------------------------------------------------------------------------
 
-def check_model(path: Path) -> str:
-    """The architecture, or ConvertError when the rewrite would not be exact for this model."""
+def check_model(path: Path, reader: Any = None) -> str:
+    """The architecture, or ConvertError when the rewrite would not be exact for this model
+    (``reader``: the GGUFReader of path, when the caller has one: parsing a big vocabulary takes seconds)."""
     from rotaryquant.converter.gguf_source import architecture, open_gguf
 
-    r = open_gguf(path)
+    r = reader if reader is not None else open_gguf(path)
     arch = architecture(r)
     if arch in _REFUSED_ARCHS:
         raise ConvertError(f"{path.name}: {arch} uses {_REFUSED_ARCHS[arch]}, so K centring would change "
