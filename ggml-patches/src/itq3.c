@@ -7,6 +7,8 @@
 //               codes q on the 8-level grid, w_rot ~ d*grid[q] + m
 //   dequantise: w = S FWHT256(d*grid[q] + m)   (FWHT256 = H/16 is its own inverse)
 //   matmul:     w.x = sum_b (H S w_b).(H S x_b): activations are rotated once per row (Q8_ITQ)
+//   calibrated: LDLQ (error feedback in the rotated domain) against the inputs' Gram matrices
+//               (ggml_rq_quantize_itq3_s_xtx) or diag(imatrix) (quantize_itq3_s with an imatrix)
 //
 // Codes: qs[j] holds the low 2 bits of codes j, 64+j, 128+j, 192+j (bits 0-1, 2-3, 4-5, 6-7);
 // bit b of qh[j] is the high bit of code 32b+j. 32 consecutive codes then unpack with one shift
@@ -18,6 +20,7 @@
 #include "ggml-quants.h"
 #include "ggml-impl.h"
 #include "ggml-rq.h"
+#include "ggml-threading.h"
 
 #include "itq3-tables.h"
 
@@ -241,19 +244,19 @@ struct itq3_ldlq {
     double   c11;       // |b|^2
 };
 
-static void itq3_fwht64(double * v, int stride) {
+static void itq3_fwht64(double * v) {
     for (int h = 1; h < QK_ITQ; h <<= 1) {
         for (int i = 0; i < QK_ITQ; i += 2*h) {
             for (int j = i; j < i + h; ++j) {
-                const double a = v[j*stride];
-                const double b = v[(j + h)*stride];
-                v[j*stride]       = a + b;
-                v[(j + h)*stride] = a - b;
+                const double a = v[j];
+                const double b = v[j + h];
+                v[j]     = a + b;
+                v[j + h] = a - b;
             }
         }
     }
     for (int i = 0; i < QK_ITQ; ++i) {
-        v[i*stride] *= 0.0625;
+        v[i] *= 0.0625;
     }
 }
 
@@ -284,10 +287,25 @@ static void itq3_hess_rotate(const float * h, const float * iw, double * A) {
         }
     }
     for (int i = 0; i < QK_ITQ; ++i) {
-        itq3_fwht64(A + i*QK_ITQ, 1);  // rows
+        itq3_fwht64(A + i*QK_ITQ);     // rows
     }
-    for (int j = 0; j < QK_ITQ; ++j) {
-        itq3_fwht64(A + j, QK_ITQ);    // columns
+    // columns: the same butterflies, applied to whole rows at a time (cache-friendly, same operations)
+    for (int s = 1; s < QK_ITQ; s <<= 1) {
+        for (int i = 0; i < QK_ITQ; i += 2*s) {
+            for (int j = i; j < i + s; ++j) {
+                double * u = A + j*QK_ITQ;
+                double * v = A + (j + s)*QK_ITQ;
+                for (int c = 0; c < QK_ITQ; ++c) {
+                    const double a = u[c];
+                    const double b = v[c];
+                    u[c] = a + b;
+                    v[c] = a - b;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < QK_ITQ*QK_ITQ; ++i) {
+        A[i] *= 0.0625;
     }
 }
 
@@ -437,35 +455,139 @@ static void itq3_ldlq_block(const float * GGML_RESTRICT w_in, const struct itq3_
     itq3_pack(q, out);
 }
 
-// LDLQ over rows: column block by column block, one factor each (H from xtx's Gram blocks or diag(imatrix))
+// a factor and the memory it lives in (1 MiB: A, then L, and V)
+struct itq3_fac {
+    struct itq3_ldlq f;
+    double * mem;
+    bool     ok;   // false: the Hessian is degenerate, the rows get the quantiser without LDLQ
+};
+
+static bool itq3_fac_new(const float * h, const float * iw, struct itq3_fac * F) {
+    F->mem = (double *) malloc(2*QK_ITQ*QK_ITQ*sizeof(double));
+    F->ok  = false;
+    if (!F->mem) {
+        return false;
+    }
+    F->f.L   = F->mem;
+    F->f.V   = F->mem + QK_ITQ*QK_ITQ;
+    F->f.c11 = 0.0;
+    itq3_hess_rotate(h, iw, F->mem);
+    F->ok = itq3_ldlq_factor(F->mem, ITQ_LDLQ_DAMP, &F->f);
+    return true;
+}
+
+// imatrix factors, cached: llama-quantize calls quantize_itq3_s once per chunk of ~16K weights (one or a few rows),
+// and a factor (~2 ms) per column block per chunk would cost more than the quantisation itself. A factor is a pure
+// function of the 256 importances, so a cache keyed by their bits is exact; entries in use are never evicted.
+#define ITQ_CACHE_N 128  // column blocks of one tensor (n_per_row up to 32768) stay resident; at most 128 MiB
+
+struct itq3_cent {
+    float           iw[QK_ITQ];
+    struct itq3_fac F;
+    int             refs;
+    uint64_t        used;
+    bool            valid;
+};
+
+static struct itq3_cent itq3_cache[ITQ_CACHE_N];
+static uint64_t         itq3_cache_clock;
+
+// the cached factor of iw (NULL: none was cached, *priv holds a private one the caller frees; priv->mem is NULL
+// if memory ran out)
+static struct itq3_cent * itq3_cache_get(const float * iw, struct itq3_fac * priv) {
+    ggml_critical_section_start();
+    for (int i = 0; i < ITQ_CACHE_N; ++i) {
+        struct itq3_cent * e = &itq3_cache[i];
+        if (e->valid && memcmp(e->iw, iw, sizeof(e->iw)) == 0) {
+            e->refs++;
+            e->used = ++itq3_cache_clock;
+            ggml_critical_section_end();
+            return e;
+        }
+    }
+    ggml_critical_section_end();
+
+    struct itq3_fac F;
+    if (!itq3_fac_new(NULL, iw, &F)) {
+        priv->mem = NULL;
+        return NULL;
+    }
+
+    ggml_critical_section_start();
+    struct itq3_cent * v = NULL;
+    for (int i = 0; i < ITQ_CACHE_N; ++i) {
+        struct itq3_cent * e = &itq3_cache[i];
+        if (e->valid && memcmp(e->iw, iw, sizeof(e->iw)) == 0) {
+            // another thread built the same factor meanwhile: identical by construction, use that one
+            e->refs++;
+            e->used = ++itq3_cache_clock;
+            ggml_critical_section_end();
+            free(F.mem);
+            return e;
+        }
+        if (e->refs == 0 && (!v || (!e->valid && v->valid) || (e->valid && v->valid && e->used < v->used))) {
+            v = e;
+        }
+    }
+    if (!v) {
+        ggml_critical_section_end();
+        *priv = F;
+        return NULL;
+    }
+    if (v->valid) {
+        free(v->F.mem);
+    }
+    memcpy(v->iw, iw, sizeof(v->iw));
+    v->F     = F;
+    v->valid = true;
+    v->refs  = 1;
+    v->used  = ++itq3_cache_clock;
+    ggml_critical_section_end();
+    return v;
+}
+
+static void itq3_cache_put(struct itq3_cent * e) {
+    ggml_critical_section_start();
+    e->refs--;
+    ggml_critical_section_end();
+}
+
+// LDLQ over rows, column block by column block, one factor each: H from xtx's Gram blocks (degenerate: the plain
+// quantiser) or H = diag(imatrix) (degenerate: the v1 imatrix quantiser of the block). Rows never influence each
+// other or the factor, so any split into row chunks gives the same bytes.
 static size_t itq3_quantize_ldlq(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row,
                                  const float * xtx, const float * imatrix) {
     assert(n_per_row % QK_ITQ == 0);
     const size_t row_size = ggml_row_size(GGML_TYPE_ITQ3_S, n_per_row);
     const int64_t nb = n_per_row / QK_ITQ;
-    double * A = (double *) malloc(2*QK_ITQ*QK_ITQ*sizeof(double)); // 1 MiB: A (then L) and V
-    if (!A) {
-        GGML_LOG_WARN("%s: out of memory for the LDLQ factor, quantising without calibration\n", __func__);
-        return quantize_itq3_s(src, dst, nrow, n_per_row, NULL);
-    }
-    struct itq3_ldlq f;
-    f.L = A;
-    f.c11 = 0.0;
-    f.V = A + QK_ITQ*QK_ITQ;
     for (int64_t ib = 0; ib < nb; ++ib) {
-        itq3_hess_rotate(xtx ? xtx + ib*QK_ITQ*QK_ITQ : NULL, imatrix ? imatrix + ib*QK_ITQ : NULL, A);
-        const bool ok = itq3_ldlq_factor(A, ITQ_LDLQ_DAMP, &f);
+        const float * iw = imatrix ? imatrix + ib*QK_ITQ : NULL;
+        struct itq3_fac priv = { 0 };
+        struct itq3_cent * e = NULL;
+        if (iw) {
+            e = itq3_cache_get(iw, &priv);
+        } else {
+            itq3_fac_new(xtx + ib*QK_ITQ*QK_ITQ, NULL, &priv);
+        }
+        const struct itq3_fac * F = e ? &e->F : &priv;
+        if (!F->mem) {
+            GGML_LOG_WARN("%s: out of memory for the LDLQ factor, quantising without it\n", __func__);
+        }
+        const bool ok = F->mem && F->ok;
         for (int64_t r = 0; r < nrow; ++r) {
             block_itq3_s * yb = (block_itq3_s *) ((char *) dst + r*row_size) + ib;
             const float * x = src + r*n_per_row + ib*QK_ITQ;
             if (ok) {
-                itq3_ldlq_block(x, &f, yb);
+                itq3_ldlq_block(x, &F->f, yb);
             } else {
-                itq3_quantize_block(x, NULL, yb);
+                itq3_quantize_block(x, iw, yb);
             }
         }
+        if (e) {
+            itq3_cache_put(e);
+        }
+        free(priv.mem);
     }
-    free(A);
     return nrow * row_size;
 }
 
@@ -483,14 +605,19 @@ void quantize_row_itq3_s_ref(const float * GGML_RESTRICT x, block_itq3_s * GGML_
     }
 }
 
+// with an imatrix: LDLQ with H = diag(imatrix) (docs/itq3-design.md §5.3; measured better than the v1 candidate
+// ranking on every tensor, §6.6)
 size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrow, int64_t n_per_row, const float * imatrix) {
     assert(n_per_row % QK_ITQ == 0);
+    if (imatrix) {
+        return itq3_quantize_ldlq(src, dst, nrow, n_per_row, NULL, imatrix);
+    }
     const size_t row_size = ggml_row_size(GGML_TYPE_ITQ3_S, n_per_row);
     char * qrow = (char *) dst;
     for (int64_t r = 0; r < nrow; ++r) {
         block_itq3_s * yb = (block_itq3_s *) qrow;
         for (int64_t ib = 0; ib < n_per_row / QK_ITQ; ++ib) {
-            itq3_quantize_block(src + r*n_per_row + ib*QK_ITQ, imatrix ? imatrix + ib*QK_ITQ : NULL, yb + ib);
+            itq3_quantize_block(src + r*n_per_row + ib*QK_ITQ, NULL, yb + ib);
         }
         qrow += row_size;
     }

@@ -403,20 +403,18 @@ def dequantize_blocks(b) -> np.ndarray:
 
 def quantize_rows(w2d, imatrix=None) -> np.ndarray:
     """Quantise a (nrows, n_per_row) float32 matrix (n_per_row % 256 == 0) to
-    (nrows, n_per_row/256*100) uint8 (the ggml row layout).  imatrix: None or
-    (n_per_row,) column importances; block b of every row uses imatrix[256b:256b+256]."""
+    (nrows, n_per_row/256*100) uint8 (the ggml row layout), as the C ``quantize_itq3_s`` does.
+    imatrix: None or (n_per_row,) column importances; then LDLQ with H = diag(imatrix) per
+    256-column block (``quantize_rows_ldlq``; docs/itq3-design.md §5.3). The v1 per-block imatrix
+    quantiser is ``quantize_blocks(w, iw)``."""
     w = np.asarray(w2d, dtype=F32)
     if w.ndim != 2 or w.shape[1] % QK:
         raise ValueError(f"expected (nrows, n_per_row) with n_per_row % {QK} == 0, got {w.shape}")
+    if imatrix is not None:
+        return quantize_rows_ldlq(w, imatrix=imatrix)
     nrows, npr = w.shape
     nbr = npr // QK
-    iw = None
-    if imatrix is not None:
-        im = np.asarray(imatrix, dtype=F32)
-        if im.shape != (npr,):
-            raise ValueError(f"imatrix: expected shape ({npr},), got {im.shape}")
-        iw = np.broadcast_to(im.reshape(1, nbr, QK), (nrows, nbr, QK)).reshape(nrows * nbr, QK)
-    blk = quantize_blocks(w.reshape(nrows * nbr, QK), iw)
+    blk = quantize_blocks(w.reshape(nrows * nbr, QK))
     return blk.reshape(nrows, nbr * BLOCK_BYTES)
 
 
@@ -576,10 +574,12 @@ def quantize_rows_ldlq(w2d, xtx=None, imatrix=None, *, damp: float = DAMP) -> np
     out = np.empty((nbr, nrows, BLOCK_BYTES), np.uint8)
     with np.errstate(all="ignore"):
         for ib in range(nbr):
-            q, d16, m16 = quantize_codes(blocks[ib])
-            a = hessian_rotated(xtx[ib]) if xtx is not None else hessian_rotated(iw=imatrix[ib * QK:(ib + 1) * QK])
-            fac = ldlq_factor(a, damp)
-            if fac is not None:
+            iw = None if imatrix is None else imatrix[ib * QK:(ib + 1) * QK]
+            fac = ldlq_factor(hessian_rotated(xtx[ib]) if iw is None else hessian_rotated(iw=iw), damp)
+            if fac is None:          # degenerate H: the plain quantiser (xtx) or the v1 imatrix one (imatrix)
+                q, d16, m16 = quantize_codes(blocks[ib], iw)
+            else:
+                q, d16, m16 = quantize_codes(blocks[ib])
                 _ldlq_chunk(blocks[ib], fac, q, d16, m16)
             out[ib] = pack_blocks(q, d16, m16)
     return np.ascontiguousarray(out.transpose(1, 0, 2)).reshape(nrows, nbr * BLOCK_BYTES)
