@@ -10,11 +10,14 @@
 #   build   unpack the tree, link our sources into it, configure (-DGGML_CUDA=ON, sm_90), build
 #           ggml-cuda, test-backend-ops, llama-bench, llama-quantize and rq-counters
 #   test    test-backend-ops -b CUDA0 against the CPU for FLASH_ATTN_EXT, SET_ROWS, CPY, GET_ROWS,
-#           MUL_MAT, MUL_MAT_ID on isoquant3_0 / isoquant4_0 / itq3_s; a random-weight Qwen2-shaped model (head 128)
-#           quantised to Q4_K_M, ITQ3_S, IQ3_S; rq-counters (fused decode: 0 dequantised rows)
+#           MUL_MAT, MUL_MAT_ID on isoquant3_0 / isoquant4_0 / isoquant3_64 / isoquant4_64 / itq3_s (the 64-wide
+#           types' D = 64 cases on CUDA; their D = 128/256 and mixed-width cases report 'not supported');
+#           a random-weight Qwen2-shaped model (head 128) quantised to Q4_K_M, ITQ3_S, IQ3_S, and one with
+#           head size 64 (Q4_K_M); rq-counters on both (fused decode: 0 dequantised rows; on the head-64
+#           model -ctk/-ctv isoquant3_0 resolve to isoquant3_64)
 #   bench   llama-bench: KV f16 / q8_0 / q4_0 / isoquant3_0 / isoquant4_0 fused, isoquant3_0 unfused, and
 #           isoquant3_0 / q4_0 with deferred prefill (LLAMA_KV_DEFERRED=1: its graph ops' first CUDA run) at
-#           depth 0, 4K, 16K;
+#           depth 0, 4K, 16K; the head-64 model with f16 / isoquant3_0 (-> isoquant3_64) / isoquant4_0;
 #           weights ITQ3_S vs IQ3_S vs Q4_K_M
 # Overrides: RQ_GPU_WORK (build/gpu-work), RQ_GPU_TARBALL, RQ_GPU_BUDGET, RQ_GPU_JOBS, RQ_GPU_ARCHS (90-real),
 # RQ_GPU_TARGETS (ninja targets), RQ_GPU_DEPTHS (0,4096,16384), RQ_GPU_PP (512), RQ_GPU_TG (64),
@@ -127,6 +130,11 @@ make_models() {
         [ -f "$MODELS/$q.gguf" ] || "$BIN/llama-quantize" "$MODELS/f16.gguf" "$MODELS/$q.gguf" "$q" "$JOBS" >> "$OUT/build.txt" 2>&1 \
             || { log "quantize $q failed"; return 1; }
     done
+    # head size 64 (8 query / 2 KV heads of 64, like SmolLM2's head): the 64-wide IsoQuant types
+    [ -f "$MODELS/h64-f16.gguf" ] || PYTHONPATH="$LLAMA/gguf-py" python3 "$REPO/scripts/cuda/make-random-model.py" \
+        --n-embd 512 --n-head 8 --n-head-kv 2 --n-ff 1536 "$MODELS/h64-f16.gguf" || return 1
+    [ -f "$MODELS/h64-Q4_K_M.gguf" ] || "$BIN/llama-quantize" "$MODELS/h64-f16.gguf" "$MODELS/h64-Q4_K_M.gguf" Q4_K_M "$JOBS" >> "$OUT/build.txt" 2>&1 \
+        || { log "quantize h64 Q4_K_M failed"; return 1; }
 }
 
 do_test() {
@@ -134,14 +142,25 @@ do_test() {
     log "test-backend-ops -b CUDA0 (our types)"
     local t=$(date +%s)
     timeout 240 "$BIN/test-backend-ops" test -b CUDA0 -j 8 \
-        -o FLASH_ATTN_EXT,SET_ROWS,CPY,GET_ROWS,MUL_MAT,MUL_MAT_ID -p 'isoquant3_0|isoquant4_0|itq3_s' > "$OUT/backend-ops.txt" 2>&1
+        -o FLASH_ATTN_EXT,SET_ROWS,CPY,GET_ROWS,MUL_MAT,MUL_MAT_ID -p 'isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s' \
+        > "$OUT/backend-ops.txt" 2>&1
     local rc=$?
     local pass fail nsup
     pass=$(grep -c '): .*OK' "$OUT/backend-ops.txt" || true)
     fail=$(grep -c '): .*FAIL' "$OUT/backend-ops.txt" || true)
     nsup=$(grep -c '): not supported' "$OUT/backend-ops.txt" || true)
     log "test-backend-ops rc=$rc: $pass OK, $fail FAIL, $nsup not supported ($(( $(date +%s) - t )) s)"
-    note "- test-backend-ops (CUDA0 vs CPU; FLASH_ATTN_EXT SET_ROWS CPY GET_ROWS MUL_MAT MUL_MAT_ID; isoquant3_0|isoquant4_0|itq3_s): rc=$rc, $pass OK, $fail FAIL, $nsup not supported"
+    note "- test-backend-ops (CUDA0 vs CPU; FLASH_ATTN_EXT SET_ROWS CPY GET_ROWS MUL_MAT MUL_MAT_ID; isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s): rc=$rc, $pass OK, $fail FAIL, $nsup not supported"
+    local p64 f64 n64 fa64
+    p64=$(grep -E 'isoquant[34]_64' "$OUT/backend-ops.txt" | grep -c '): .*OK' || true)
+    f64=$(grep -E 'isoquant[34]_64' "$OUT/backend-ops.txt" | grep -c '): .*FAIL' || true)
+    n64=$(grep -E 'isoquant[34]_64' "$OUT/backend-ops.txt" | grep -c '): not supported' || true)
+    fa64=$(grep -E 'FLASH_ATTN_EXT.*hsk=64,.*isoquant[34]_64|FLASH_ATTN_EXT.*isoquant[34]_64.*hsk=64,' "$OUT/backend-ops.txt" | grep -c '): .*OK' || true)
+    note "  - of these with isoquant3_64/4_64: $p64 OK ($fa64 FLASH_ATTN_EXT at head size 64), $f64 FAIL, $n64 not supported (expected: D = 128/256 and mixed block widths)"
+    if [ "$fa64" -eq 0 ]; then
+        RC=1
+        note "  - no FLASH_ATTN_EXT case with the 64-wide types passed at head size 64 on CUDA0"
+    fi
     grep '): .*FAIL' "$OUT/backend-ops.txt" | head -20 | sed 's/^/  - /' >> "$SUMMARY"
     if [ "$pass" -eq 0 ] || [ "$fail" -ne 0 ] || [ $rc -ne 0 ]; then
         RC=1
@@ -159,6 +178,18 @@ do_test() {
     grep -E '^(fused|unfused) |rq-counters:' "$OUT/counters.txt" | sed 's/^/  /'
     note "- counters (rq-counters, Q4_K_M random model, isoquant3_0 K/V): rc=$crc"
     grep -E '^(fused|unfused) |^rq-counters:' "$OUT/counters.txt" | sed 's/^/  - /' >> "$SUMMARY"
+
+    enough "counters head 64" 30 || return 0
+    log "rq-counters, head size 64 (isoquant3_0 -> isoquant3_64)"
+    { echo; echo "### head size 64 (h64-Q4_K_M.gguf): isoquant3_0 resolves to isoquant3_64"; } >> "$OUT/counters.txt"
+    timeout 120 "$BIN/rq-counters" "$MODELS/h64-Q4_K_M.gguf" 512 32 > "$WORK/counters64.txt" 2>&1
+    crc=$?
+    cat "$WORK/counters64.txt" >> "$OUT/counters.txt"
+    [ $crc -eq 0 ] || RC=1
+    grep -q 'using isoquant3_64' "$WORK/counters64.txt" || { RC=1; log "head 64: no 'using isoquant3_64' in the log"; }
+    grep -E '^(fused|unfused) |rq-counters:' "$WORK/counters64.txt" | sed 's/^/  /'
+    note "- counters, head size 64 (isoquant3_0 -> isoquant3_64): rc=$crc, resolved: $(grep -c 'using isoquant3_64' "$WORK/counters64.txt")"
+    grep -E '^(fused|unfused) |^rq-counters:' "$WORK/counters64.txt" | sed 's/^/  - /' >> "$SUMMARY"
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -199,6 +230,13 @@ do_bench() {
         bench "$kv" "K/V isoquant4_0" LLAMA_ISOQUANT_UNFUSED=0 LLAMA_KV_DEFERRED=0 -- \
             -m "$MODELS/Q4_K_M.gguf" -fa 1 -ctk isoquant4_0 -ctv isoquant4_0 -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
     fi
+    # head size 64: the 64-wide IsoQuant types (isoquant3_0/4_0 resolve to isoquant3_64/4_64)
+    for t in f16 isoquant3_0 isoquant4_0; do
+        enough "bench-kv head 64 $t" 50 || break
+        log "llama-bench KV head 64 $t"
+        bench "$kv" "head size 64 model (h64-Q4_K_M), K/V $t" LLAMA_ISOQUANT_UNFUSED=0 LLAMA_KV_DEFERRED=0 -- \
+            -m "$MODELS/h64-Q4_K_M.gguf" -fa 1 -ctk $t -ctv $t -d "$DEPTHS" -p "$PP" -n "$TG" -r 2
+    done
     if enough "bench-weights" 60; then
         printf '# Weight types (random Qwen2-shaped model, F16 K/V)\n' > "$w"
         log "llama-bench weights"

@@ -1,13 +1,17 @@
 """The CUDA kernels without a GPU: the lane model (a numpy transcription of the kernels' lane layout,
-shuffles and operation order, checked against the C references), and an nvcc compile of our units
-and of the upstream units patch 0008 touches (sm_90), so a CUDA compile error fails CI."""
+shuffles and operation order, checked against the C references), an nvcc compile of our units
+and of the upstream units patch 0008 touches (sm_90), so a CUDA compile error fails CI, and llama's
+acceptance of a 64-wide IsoQuant cache on a GPU-type device (an RPC device stands in for the GPU)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,3 +31,56 @@ def test_cuda_units_compile_for_sm90(upstream_tree):
     proc = subprocess.run(["bash", str(paths.REPO / "scripts" / "cuda" / "ci-compile.sh"), "--tree", str(upstream_tree)],
                           capture_output=True, text=True, timeout=3000)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# llama: a 64-wide IsoQuant cache on a GPU-type device is no longer refused at context creation (the guard of
+# patch 0003 that did so, also with -ngl 0, is gone now that CUDA has kernels for the 64-wide types). No GPU
+# here: ggml's RPC backend reports its devices as GPUs, so a loopback ggml-rpc-server (the CPU backend behind
+# it) stands in for one. What this shows is llama's side only; the CUDA kernels run in scripts/cuda/gpu-check.sh.
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def rpc_endpoint(bin_dir):
+    port = _free_port()
+    proc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline, "ggml-rpc-server did not listen"
+        time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _smollm2_isoquant(bin_dir, model, extra):
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", "The old lighthouse keeper", "-n", "16",
+           "--temp", "0", "-no-cnv", "-t", "2", "-c", "256", "--no-warmup", "--no-display-prompt", "-lv", "4",
+           "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0", *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngl", ["99", "0"])
+def test_64_wide_isoquant_cache_on_a_gpu_type_device_is_accepted(bin_dir, smollm2, rpc_endpoint, ngl):
+    local = _smollm2_isoquant(bin_dir, smollm2, [])
+    assert local.returncode == 0, local.stderr[-3000:]
+    remote = _smollm2_isoquant(bin_dir, smollm2, ["--rpc", rpc_endpoint, "-ngl", ngl])
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    log = remote.stderr
+    assert "CPU kernels only" not in log
+    assert "using isoquant3_64" in log                # SmolLM2's head size 64: the 64-wide sibling
+    assert "using device RPC0" in log, log[-3000:]     # the GPU-type device is in the model either way
+    on_device = re.search(r"RPC\d+\[[^\]]+\] KV buffer size", log) is not None
+    assert on_device == (ngl == "99"), log[-3000:]     # -ngl 99: the isoquant3_64 cache lives on it; -ngl 0: not
+    assert remote.stdout == local.stdout              # the same kernels (the CPU's) behind the RPC device

@@ -1,7 +1,8 @@
-// Fused IsoQuant flash attention on CUDA: FLASH_ATTN_EXT with ISOQUANT3_0/4_0 K and/or V (any mix of the
-// two widths; a non-IsoQuant side F16 or Q8_0), head sizes 128 and 256, any n_kv, any batch, GQA, mask,
-// ALiBi, softcap and sinks. KB/VB, the template index widths of K/V, are 3, 4 or 0 (not IsoQuant).
-// Nothing is converted to F16: packed K/V are read as they are stored.
+// Fused IsoQuant flash attention on CUDA: FLASH_ATTN_EXT with IsoQuant K and/or V (any mix of the two
+// index widths; a non-IsoQuant side F16 or Q8_0): ISOQUANT3_0/4_0 (128-value blocks) at head sizes 128 and
+// 256, ISOQUANT3_64/4_64 (64-value blocks) at head size 64; any n_kv, any batch, GQA, mask, ALiBi, softcap
+// and sinks. KB/VB, the template index widths of K/V, are 3, 4 or 0 (not IsoQuant); the block width QK
+// follows from D (64 -> 64, else 128). Nothing is converted to F16: packed K/V are read as they are stored.
 //
 //   k.q            = sum_b d_b * <c[idx_b], (R q)_b>          -> Q is rotated once per (row, head), keys
 //                                                               are scored straight from the codebook
@@ -15,7 +16,8 @@
 //   2. score: thread t scores KV row t against all NC columns (no cross-lane reductions)
 //   3. online softmax per column (one warp per column), then the V tile is staged
 //   4. accumulate: lane l of every warp owns values 4l..4l+3 of each 128-block (one SO(4) group), the
-//      4 warps take every 4th row; probabilities come from shared memory
+//      4 warps take every 4th row; probabilities come from shared memory. With 64-value blocks (D = 64)
+//      the two half-warps take different rows (lane l % 16 owns values 4l..4l+3), 8 rows at a time
 // Each (column, split) writes the un-normalised rotated accumulator, its max and its sum; a second kernel
 // merges the splits, adds the sink, normalises, applies R^T (one warp per output row) and writes dst.
 
@@ -63,12 +65,13 @@ struct rq_fa_params {
 // ---------------------------------------------------------------------------------------------
 // device pieces
 
-// copy the packed IsoQuant rows kv0.. of one head into shared memory: per row and 128-block the 16*BITS
-// index bytes as 4*BITS words (row stride SW words, odd, so that per-row reads are conflict free) and the scale
-template <int NB, int SW, int BITS>
+// copy the packed IsoQuant rows kv0.. of one head into shared memory: per row and QK-block the QK*BITS/8
+// index bytes as QK*BITS/32 words (row stride SW words, odd, so that per-row reads are conflict free) and
+// the scale
+template <int NB, int SW, int BITS, int QK>
 static __device__ __forceinline__ void rq_fa_stage(const char * __restrict__ base, const int64_t nb1, const int kv0, const int kv_end,
                                                    uint32_t * __restrict__ stage, float * __restrict__ dsh) {
-    constexpr int HPB = 1 + 8*BITS; // 16-bit words per block: d, then the indices
+    constexpr int HPB = 1 + QK*BITS/16; // 16-bit words per block: d, then the indices
     const int lane = threadIdx.x;
     for (int r = threadIdx.y; r < RQ_FA_TILE; r += RQ_FA_NWARPS) {
         const int kv = kv0 + r;
@@ -103,7 +106,7 @@ static __device__ __forceinline__ int rq_idx(const uint32_t w[BITS], const int k
     return v & ((1u << BITS) - 1);
 }
 
-// the 4*BITS index bits of values 4*lane..4*lane+3 of one staged block (words wb[0..4*BITS-1])
+// the 4*BITS index bits of values 4*lane..4*lane+3 of one staged block (words wb[0..QK*BITS/32-1])
 template <int BITS>
 static __device__ __forceinline__ uint32_t rq_fa_lane_bits(const uint32_t * wb, const int lane) {
     const int bit = 4*BITS*lane;
@@ -130,11 +133,16 @@ __launch_bounds__(RQ_FA_NTHREADS, 1)
 static __global__ void k_rq_fattn(const rq_fa_params p) {
     constexpr bool K_ISO = KB != 0;
     constexpr bool V_ISO = VB != 0;
-    constexpr int  NB  = D/QK_ISO;   // 128-blocks per row
+    constexpr int  QK  = D == 64 ? QK_ISO64 : QK_ISO; // IsoQuant block width
+    constexpr int  NL  = QK/4;       // lanes per block (one SO(4) group each): 32 or 16
+    constexpr int  RPW = WARP_SIZE/NL; // KV rows a warp accumulates at once: 1, or 2 (one per half-warp)
+    constexpr int  NB  = D/QK;       // blocks per row
+    constexpr int  NCH = QK/32;      // 32-index chunks per block
     constexpr int  EPL = 4*NB;       // accumulator values per lane and column
-    constexpr int  KW  = 4*KB;       // staged index words per K block (12 or 16)
-    constexpr int  VW  = 4*VB;
-    constexpr int  SW  = 4*(KB > VB ? KB : VB)*NB + 1;  // staged words per row (K and V share the buffer)
+    constexpr int  KW  = NCH*KB;     // staged index words per K block (12 or 16; 6 or 8 for 64-value blocks)
+    constexpr int  VW  = NCH*VB;
+    constexpr int  SW  = NCH*(KB > VB ? KB : VB)*NB + 1;  // staged words per row (K and V share the buffer)
+    static_assert(D % QK == 0 && (D == 64) == (QK == QK_ISO64), "head size and block width");
 
     __shared__ __align__(16) float Qs[NC][D];
     __shared__ float    KQ[RQ_FA_TILE][NC];
@@ -146,6 +154,8 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
     const int lane = threadIdx.x;
     const int warp = threadIdx.y;
     const int tid  = warp*WARP_SIZE + lane;
+    const int sl   = lane % NL;      // lane in its block group
+    const int sr   = lane / NL;      // group in the warp (0, or 0/1 for 64-value blocks)
 
     const int f0  = blockIdx.x*NC;
     const int ik2 = blockIdx.y % p.n_head_kv;
@@ -172,7 +182,8 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
         }
     }
 
-    // 0. Q * scale, rotated by R for ISO K (once per column and block)
+    // 0. Q * scale, rotated by R for ISO K (once per column and block; with 64-value blocks both half-warps
+    //    compute the same block, the lower one stores it)
     for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
         const int  f     = f0 + c;
         const bool valid = f < ncols_total;
@@ -185,26 +196,28 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
             if (valid) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    v[e] = q[b*QK_ISO + 4*lane + e]*p.scale;
+                    v[e] = q[b*QK + 4*sl + e]*p.scale;
                 }
             }
             if constexpr (K_ISO) {
-                rq_iso_rotate_warp(v, p.variant);
+                rq_iso_rotate_warp<QK>(v, p.variant);
             }
+            if (sr == 0) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                Qs[c][b*QK_ISO + 4*lane + e] = v[e];
+                for (int e = 0; e < 4; ++e) {
+                    Qs[c][b*QK + 4*sl + e] = v[e];
+                }
             }
         }
     }
     if constexpr (K_ISO) {
         if (tid < (1 << KB)) {
-            cbk_sh[tid] = rq_iso_level<KB>(tid);
+            cbk_sh[tid] = rq_iso_level<KB, false, QK>(tid);
         }
     }
     if constexpr (V_ISO) {
         if (tid < (1 << VB)) {
-            cbv_sh[tid] = rq_iso_level<VB>(tid);
+            cbv_sh[tid] = rq_iso_level<VB, false, QK>(tid);
         }
     }
     if (tid < NC) {
@@ -245,7 +258,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
 
         // 1. stage K
         if constexpr (K_ISO) {
-            rq_fa_stage<NB, SW, KB>(K, p.nbk1, kv0, kv_end, stage, dsh);
+            rq_fa_stage<NB, SW, KB, QK>(K, p.nbk1, kv0, kv_end, stage, dsh);
             __syncthreads();
         }
 
@@ -271,7 +284,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                         db[c] = 0.0f;
                     }
 #pragma unroll
-                    for (int ch = 0; ch < 4; ++ch) {
+                    for (int ch = 0; ch < NCH; ++ch) {
                         uint32_t w[KB];
 #pragma unroll
                         for (int i = 0; i < KB; ++i) {
@@ -285,7 +298,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                             const float c3 = cbk_sh[rq_idx<KB>(w, k + 3)];
 #pragma unroll
                             for (int c = 0; c < NC; ++c) {
-                                const float4 q4 = *(const float4 *) &Qs[c][b*QK_ISO + 32*ch + k];
+                                const float4 q4 = *(const float4 *) &Qs[c][b*QK + 32*ch + k];
                                 db[c] += c0*q4.x + c1*q4.y + c2*q4.z + c3*q4.w;
                             }
                         }
@@ -379,7 +392,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
             }
         }
         if constexpr (V_ISO) {
-            rq_fa_stage<NB, SW, VB>(V, p.nbv1, kv0, kv_end, stage, dsh);
+            rq_fa_stage<NB, SW, VB, QK>(V, p.nbv1, kv0, kv_end, stage, dsh);
         }
         __syncthreads();
 
@@ -392,7 +405,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 acc[c][k] *= ms;
             }
         }
-        for (int r = warp; r < RQ_FA_TILE && kv0 + r < kv_end; r += RQ_FA_NWARPS) {
+        for (int r = warp*RPW + sr; r < RQ_FA_TILE && kv0 + r < kv_end; r += RQ_FA_NWARPS*RPW) {
             float pr[NC];
             bool  nz = false;
 #pragma unroll
@@ -401,13 +414,13 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 nz = nz || pr[c] != 0.0f;
             }
             if (!nz) {
-                continue; // masked for every column (same r for the whole warp)
+                continue; // masked for every column (same r for the whole lane group; no shuffles below)
             }
             if constexpr (V_ISO) {
                 const uint32_t * wrow = stage + r*SW;
 #pragma unroll
                 for (int b = 0; b < NB; ++b) {
-                    const uint32_t bits = rq_fa_lane_bits<VB>(wrow + VW*b, lane);
+                    const uint32_t bits = rq_fa_lane_bits<VB>(wrow + VW*b, sl);
                     const float dv = dsh[r*NB + b];
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
@@ -424,7 +437,7 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 for (int b = 0; b < NB; ++b) {
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
-                        const float val = rq_fa_load(vrow, p.type_v, b*QK_ISO + 4*lane + e);
+                        const float val = rq_fa_load(vrow, p.type_v, b*QK + 4*sl + e);
 #pragma unroll
                         for (int c = 0; c < NC; ++c) {
                             acc[c][4*b + e] += pr[c]*val;
@@ -435,10 +448,11 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
         }
     }
 
-    // merge the 4 warps' accumulators and write this split's partial result of every column
+    // merge the 4 warps' (8 half-warps') accumulators and write this split's partial result of every column
     __syncthreads();
-    float * red = (float *) stage; // [RQ_FA_NWARPS][D]
-    static_assert(RQ_FA_TILE*SW >= RQ_FA_NWARPS*D, "reduction buffer too small");
+    constexpr int NPART = RQ_FA_NWARPS*RPW;
+    float * red = (float *) stage; // [NPART][D]
+    static_assert(RQ_FA_TILE*SW >= NPART*D, "reduction buffer too small");
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
         if (!cvalid[c]) {
@@ -453,14 +467,14 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
         for (int b = 0; b < NB; ++b) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                red[warp*D + b*QK_ISO + 4*lane + e] = acc[c][4*b + e];
+                red[(warp*RPW + sr)*D + b*QK + 4*sl + e] = acc[c][4*b + e];
             }
         }
         __syncthreads();
         for (int i = tid; i < D; i += RQ_FA_NTHREADS) {
             float sum = 0.0f;
 #pragma unroll
-            for (int w = 0; w < RQ_FA_NWARPS; ++w) {
+            for (int w = 0; w < NPART; ++w) {
                 sum += red[w*D + i];
             }
             p.part_vkq[off*D + i] = sum;
@@ -473,18 +487,22 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
 }
 
 // merge the splits, add the sink, normalise, R^T (ISO V) and write dst[DV, n_head, N, ne3]; one warp per row
+// (with 64-value blocks both half-warps compute the row, the lower one writes it)
 template <int D, bool V_ISO>
 __launch_bounds__(RQ_FA_NTHREADS, 1)
 static __global__ void k_rq_fattn_combine(const float * __restrict__ part_vkq, const float2 * __restrict__ part_ms,
         const float * __restrict__ sinks, char * __restrict__ dst, const int nrows, const int nsplit,
         const int N, const int n_head, const int64_t nb1, const int64_t nb2, const int64_t nb3,
         const int variant, const bool unrotate) {
-    constexpr int NB = D/QK_ISO;
+    constexpr int QK = D == 64 ? QK_ISO64 : QK_ISO;
+    constexpr int NL = QK/4;
+    constexpr int NB = D/QK;
     const int row = blockIdx.x*RQ_FA_NWARPS + threadIdx.y;
     if (row >= nrows) {
-        return;
+        return; // the whole warp
     }
-    const int lane = threadIdx.x;
+    const int lane = threadIdx.x % NL;
+    const bool store = threadIdx.x < NL;
     const int h    = row % n_head;
     const int t    = row / n_head;
     const int iq1  = t % N;
@@ -519,7 +537,7 @@ static __global__ void k_rq_fattn_combine(const float * __restrict__ part_vkq, c
             for (int b = 0; b < NB; ++b) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    o[b][e] += w*part_vkq[off*D + b*QK_ISO + 4*lane + e];
+                    o[b][e] += w*part_vkq[off*D + b*QK + 4*lane + e];
                 }
             }
         }
@@ -538,12 +556,14 @@ static __global__ void k_rq_fattn_combine(const float * __restrict__ part_vkq, c
         }
         if constexpr (V_ISO) {
             if (unrotate) {
-                rq_iso_rotate_inv_warp(o[b], variant);
+                rq_iso_rotate_inv_warp<QK>(o[b], variant);
             }
         }
+        if (store) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            y[b*QK_ISO + 4*lane + e] = o[b][e];
+            for (int e = 0; e < 4; ++e) {
+                y[b*QK + 4*lane + e] = o[b][e];
+            }
         }
     }
 }
@@ -576,8 +596,15 @@ bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst) {
     if ((!k_iso && !rq_fa_other_type_ok(K)) || (!v_iso && !rq_fa_other_type_ok(V))) {
         return false;
     }
+    // one block width for the op: 64-value blocks at head size 64, 128-value blocks at 128 and 256 (the
+    // 64-wide types at other head sizes, or mixed block widths, go to the CPU)
+    const int qk = ggml_rq_iso_qk(k_iso ? K->type : V->type);
+    if (k_iso && v_iso && ggml_rq_iso_qk(V->type) != qk) {
+        return false;
+    }
     const int64_t D = K->ne[0];
-    if ((D != 128 && D != 256) || V->ne[0] != D || Q->ne[0] != D) {
+    const bool d_ok = qk == QK_ISO64 ? D == 64 : D == 128 || D == 256;
+    if (!d_ok || V->ne[0] != D || Q->ne[0] != D) {
         return false;
     }
     if (Q->type != GGML_TYPE_F32 || Q->nb[0] != sizeof(float) || dst->type != GGML_TYPE_F32) {
@@ -707,10 +734,10 @@ void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
     p.part_ms  = part_ms.get();
 
     const dim3 grid((unsigned) ntile, (unsigned) (K->ne[2]*K->ne[3]), (unsigned) nsplit);
-    if (D == 128) {
-        rq_fa_launch_nc<128>(p, nc, kb, vb, grid, stream);
-    } else {
-        rq_fa_launch_nc<256>(p, nc, kb, vb, grid, stream);
+    switch (D) {
+        case  64: rq_fa_launch_nc< 64>(p, nc, kb, vb, grid, stream); break;
+        case 128: rq_fa_launch_nc<128>(p, nc, kb, vb, grid, stream); break;
+        default:  rq_fa_launch_nc<256>(p, nc, kb, vb, grid, stream); break;
     }
 
     const dim3 grid_c((unsigned) ((p.nrows + RQ_FA_NWARPS - 1)/RQ_FA_NWARPS), 1, 1);
@@ -721,7 +748,13 @@ void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
 #define RQ_COMBINE_ARGS p.part_vkq, p.part_ms, sinks_d, (char *) dst->data, p.nrows, (int) nsplit, p.N, p.n_head, \
     (int64_t) dst->nb[1], (int64_t) dst->nb[2], (int64_t) dst->nb[3], p.variant, unrotate
 
-    if (D == 128) {
+    if (D == 64) {
+        if (v_iso) {
+            k_rq_fattn_combine<64, true ><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        } else {
+            k_rq_fattn_combine<64, false><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
+        }
+    } else if (D == 128) {
         if (v_iso) {
             k_rq_fattn_combine<128, true ><<<grid_c, block_c, 0, stream>>>(RQ_COMBINE_ARGS);
         } else {

@@ -4,8 +4,13 @@
 
 #include "rq-impl.cuh"
 
+// the CPU backend's vec_dot types (rotated query blocks, ITQ3_S activations): never on the GPU
+static bool rq_is_cpu_internal(const ggml_type t) {
+    return t == GGML_TYPE_ISOQ_Q || t == GGML_TYPE_ISOQ_Q64 || t == GGML_TYPE_Q8_ITQ;
+}
+
 static bool rq_is_ours(const ggml_type t) {
-    return ggml_rq_type_is_iso(t) || t == GGML_TYPE_ITQ3_S || t == GGML_TYPE_ISOQ_Q || t == GGML_TYPE_Q8_ITQ;
+    return ggml_rq_type_is_iso(t) || t == GGML_TYPE_ITQ3_S || rq_is_cpu_internal(t);
 }
 
 static bool rq_is_float_out(const ggml_type t) {
@@ -23,10 +28,10 @@ static bool rq_cpy_supported(const ggml_tensor * a, const ggml_tensor * b) {
         return ggml_rq_type_is_iso(a->type) || a->type == GGML_TYPE_ITQ3_S;    // memcpy or strided block copy
     }
     if (a->type == GGML_TYPE_F32 && ggml_rq_type_is_iso(b->type)) {
-        return a->ne[0] % QK_ISO == 0;                                          // whole blocks in every source row
+        return a->ne[0] % ggml_rq_iso_qk(b->type) == 0;                         // whole blocks in every source row
     }
     if (ggml_rq_type_is_iso(a->type) && (b->type == GGML_TYPE_F32 || b->type == GGML_TYPE_F16)) {
-        return b->ne[0] % QK_ISO == 0;                                          // whole blocks in every destination row
+        return b->ne[0] % ggml_rq_iso_qk(a->type) == 0;                         // whole blocks in every destination row
     }
     return false;
 }
@@ -40,7 +45,7 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
         return -1;
     }
     for (int i = 0; i < GGML_MAX_SRC; ++i) {
-        if (op->src[i] && (op->src[i]->type == GGML_TYPE_ISOQ_Q || op->src[i]->type == GGML_TYPE_Q8_ITQ)) {
+        if (op->src[i] && rq_is_cpu_internal(op->src[i]->type)) {
             return 0; // the CPU backend's internal vec_dot types
         }
     }
@@ -67,7 +72,7 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
                    rq_is_float_out(op->type) && a->nb[0] == ggml_type_size(a->type);
         case GGML_OP_SET_ROWS:
             return ggml_rq_type_is_iso(op->type) && a->type == GGML_TYPE_F32 && a->nb[0] == sizeof(float) &&
-                   (b->type == GGML_TYPE_I64 || b->type == GGML_TYPE_I32) && a->ne[0] % QK_ISO == 0;
+                   (b->type == GGML_TYPE_I64 || b->type == GGML_TYPE_I32) && a->ne[0] % ggml_rq_iso_qk(op->type) == 0;
         case GGML_OP_CPY:
             return rq_cpy_supported(a, b);
         case GGML_OP_DUP:
@@ -86,9 +91,11 @@ int ggml_rq_cuda_supports_op(const ggml_tensor * op) {
 template <typename T>
 static to_t_cuda_t<T> rq_get_to_cuda(const ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_cuda<T, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_cuda<T, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_cuda<T>;
+        case GGML_TYPE_ISOQUANT3_0:  return rq_iso_to_cuda<T, 3, QK_ISO>;
+        case GGML_TYPE_ISOQUANT4_0:  return rq_iso_to_cuda<T, 4, QK_ISO>;
+        case GGML_TYPE_ISOQUANT3_64: return rq_iso_to_cuda<T, 3, QK_ISO64>;
+        case GGML_TYPE_ISOQUANT4_64: return rq_iso_to_cuda<T, 4, QK_ISO64>;
+        case GGML_TYPE_ITQ3_S:       return rq_itq_to_cuda<T>;
         default:                    return nullptr;
     }
 }
@@ -96,9 +103,11 @@ static to_t_cuda_t<T> rq_get_to_cuda(const ggml_type type) {
 template <typename T>
 static to_t_nc_cuda_t<T> rq_get_to_nc_cuda(const ggml_type type) {
     switch (type) {
-        case GGML_TYPE_ISOQUANT3_0: return rq_iso_to_nc_cuda<T, 3>;
-        case GGML_TYPE_ISOQUANT4_0: return rq_iso_to_nc_cuda<T, 4>;
-        case GGML_TYPE_ITQ3_S:      return rq_itq_to_nc_cuda<T>;
+        case GGML_TYPE_ISOQUANT3_0:  return rq_iso_to_nc_cuda<T, 3, QK_ISO>;
+        case GGML_TYPE_ISOQUANT4_0:  return rq_iso_to_nc_cuda<T, 4, QK_ISO>;
+        case GGML_TYPE_ISOQUANT3_64: return rq_iso_to_nc_cuda<T, 3, QK_ISO64>;
+        case GGML_TYPE_ISOQUANT4_64: return rq_iso_to_nc_cuda<T, 4, QK_ISO64>;
+        case GGML_TYPE_ITQ3_S:       return rq_itq_to_nc_cuda<T>;
         default:                    return nullptr;
     }
 }
@@ -172,6 +181,8 @@ bool ggml_rq_cuda_get_rows(
     switch (src0_type) {
         case GGML_TYPE_ISOQUANT3_0:
         case GGML_TYPE_ISOQUANT4_0:
+        case GGML_TYPE_ISOQUANT3_64:
+        case GGML_TYPE_ISOQUANT4_64:
             rq_iso_get_rows(src0_d, src0_type, src1_d, dst_d, dst_type, ne00, nb01, nb02, nb03, ne10, ne11, ne12, nb10, nb11, nb12, nb1, nb2, nb3, stream);
             break;
         case GGML_TYPE_ITQ3_S:
