@@ -6,7 +6,8 @@
 Nothing here runs CUDA. It is a line-by-line numpy transcription of what each warp of
 ggml-patches/src/cuda/*.cu does -- the lane layouts, the shuffle patterns (lane ^ m), the float
 operation order, the bit unpacking from staged words, the online softmax over 128-row tiles with KV
-splits and the combine step -- run for all 32 lanes at once and compared with the bit-exact numpy
+splits and the combine step; for the 64-wide types (16-lane groups, two blocks per warp) too -- run for all
+32 lanes at once and compared with the bit-exact numpy
 references (rotaryquant.quants.isoquant, rotaryquant.quants.itq3) or with a float64 attention. It catches
 index-algebra and ordering mistakes without a GPU; it cannot catch CUDA-specific ones (races,
 launch bounds, flags), which only scripts/cuda/gpu-check.sh on a GPU can.
@@ -47,29 +48,51 @@ def shfl_down(v: np.ndarray, d: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------------------------
-# ISOQUANT3_0: rq-device.cuh / rq-iso.cu
+# ISOQUANT3_0/4_0 (qk = 128: a warp per block) and ISOQUANT3_64/4_64 (qk = 64: a group of nl = 16 lanes per
+# block, two blocks side by side in a warp): rq-device.cuh / rq-iso.cu. Lane l of a group = lane % nl.
 
 SIGNS = iq.SIGNS.astype(F32).reshape(32, 4)
 SO4 = iq.SO4.astype(F32)              # (32, 4, 4) [group][row][col]
 WS = F32(iq.WHT_SCALE)
 
 
-def iso_wht_warp(v: np.ndarray) -> np.ndarray:
-    """rq_iso_wht_warp; v (n, 32, 4) float32, lane l holds values 4l..4l+3."""
+def _nl(qk: int) -> int:
+    return qk // 4
+
+
+def to_warps(x: np.ndarray, qk: int) -> tuple[np.ndarray, int]:
+    """(n, qk) blocks -> (nw, 32, 4) warps, block i in lanes (i % g)*nl.. of warp i // g (g = 32/nl blocks per
+    warp); a warp's missing groups repeat the last block, as rq_group_block does (they store nothing)."""
+    n, g = x.shape[0], 32 // _nl(qk)
+    pad = (-n) % g
+    if pad:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    return x.reshape(-1, 32, 4), n
+
+
+def from_warps(v: np.ndarray, qk: int, n: int) -> np.ndarray:
+    return v.reshape(-1, qk)[:n]
+
+
+def iso_wht_warp(v: np.ndarray, nl: int = 32) -> np.ndarray:
+    """rq_iso_wht_warp / rq_wht_warp<4, nl>; v (n, 32, 4) float32, lane l holds values 4l..4l+3 of its group."""
     a0 = v[..., 0] + v[..., 1]
     a1 = v[..., 0] - v[..., 1]
     a2 = v[..., 2] + v[..., 3]
     a3 = v[..., 2] - v[..., 3]
     v = np.stack([a0 + a2, a1 + a3, a0 - a2, a1 - a3], axis=-1)
-    for m in (1, 2, 4, 8, 16):
+    m = 1
+    while m < nl:
         p = shfl_xor(v, m)
         upper = ((LANES & m) != 0)[None, :, None]
         v = np.where(upper, p - v, v + p)
-    return v * WS
+        m <<= 1
+    return v * (WS if nl == 32 else F32(iq.WHT_SCALE_64))
 
 
-def iso_block4(v: np.ndarray, transpose: bool) -> np.ndarray:
+def iso_block4(v: np.ndarray, transpose: bool, nl: int = 32) -> np.ndarray:
     M = SO4.transpose(0, 2, 1) if transpose else SO4   # M[g][r][c] as the kernel reads it
+    M = M[LANES % nl]                                  # group lane % nl: the first 16 matrices for qk = 64
     y = np.empty_like(v)
     for r in range(4):
         m = M[:, r, :]                                 # (32, 4)
@@ -77,71 +100,87 @@ def iso_block4(v: np.ndarray, transpose: bool) -> np.ndarray:
     return y
 
 
-def iso_rotate_warp(v: np.ndarray) -> np.ndarray:
-    return iso_block4(iso_wht_warp(v * SIGNS), transpose=False)
+def iso_rotate_warp(v: np.ndarray, nl: int = 32) -> np.ndarray:
+    return iso_block4(iso_wht_warp(v * SIGNS[LANES % nl], nl), transpose=False, nl=nl)
 
 
-def iso_rotate_inv_warp(v: np.ndarray) -> np.ndarray:
-    return iso_wht_warp(iso_block4(v, transpose=True)) * SIGNS
+def iso_rotate_inv_warp(v: np.ndarray, nl: int = 32) -> np.ndarray:
+    return iso_wht_warp(iso_block4(v, transpose=True, nl=nl), nl) * SIGNS[LANES % nl]
 
 
-def tree_sum_warp(a: np.ndarray) -> np.ndarray:
-    """rq_iso_tree_sum_warp; a (n, 32, 4) float64 -> (n,)"""
-    for m in (16, 8, 4, 2, 1):
+def tree_sum_warp(a: np.ndarray, nl: int = 32) -> np.ndarray:
+    """rq_iso_tree_sum_warp<nl>; a (n, 32, 4) float64 -> (n, 32): every lane gets its group's sum (the group's
+    lane 0, __shfl_sync(..., 0, nl))"""
+    m = nl // 2
+    while m >= 1:
         a = a + shfl_xor(a, m)
-    return (a[:, 0, 0] + a[:, 0, 2]) + (a[:, 0, 1] + a[:, 0, 3])
+        m >>= 1
+    s = (a[:, :, 0] + a[:, :, 2]) + (a[:, :, 1] + a[:, :, 3])
+    return s[:, (LANES // nl) * nl]
 
 
-def iso_quantize_warp(x: np.ndarray, nbits: int = 3) -> np.ndarray:
-    """rq_iso_quantize_warp<nbits> for n blocks; returns (n, 2 + 16*nbits) bytes."""
-    n = x.shape[0]
-    xl = x.reshape(n, 32, 4).astype(F32)
+def iso_quantize_warp(x: np.ndarray, nbits: int = 3, qk: int = 128) -> np.ndarray:
+    """rq_iso_quantize_warp<nbits, qk> for n blocks; returns (n, 2 + qk*nbits/8) bytes."""
+    nl = _nl(qk)
+    xl, n = to_warps(x.astype(F32), qk)
+    nw = xl.shape[0]
     xd = xl.astype(F64)
-    sd = np.sqrt(tree_sum_warp(xd * xd))
+    sd = np.sqrt(tree_sum_warp(xd * xd, nl))[:, :, None]
     with np.errstate(all="ignore"):
-        v = np.where((sd > 0.0)[:, None, None], (xd / sd[:, None, None]).astype(F32), F32(0))
-    v = iso_rotate_warp(v.astype(F32))
+        v = np.where(sd > 0.0, (xd / sd).astype(F32), F32(0))
+    v = iso_rotate_warp(v.astype(F32), nl)
     idx = np.zeros(v.shape, np.uint32)
-    for b in iq.bounds(nbits).astype(F32):
+    for b in iq.bounds(nbits, qk).astype(F32):
         idx += (v > b)
-    c = iq.codebook(nbits).astype(F32)[idx].astype(F64)
+    c = iq.codebook(nbits, qk).astype(F32)[idx].astype(F64)
     with np.errstate(all="ignore"):
-        dd = sd / np.sqrt(tree_sum_warp(c * c))
+        dd = sd[:, :, 0] / np.sqrt(tree_sum_warp(c * c, nl))
     d = np.where(dd < 65504.0, dd, 65504.0).astype(F32).astype(np.float16)
-    bits = np.zeros((n, 32), np.uint32)
+    bits = np.zeros((nw, 32), np.uint32)
     for e in range(4):
         bits |= idx[..., e] << np.uint32(nbits * e)
     hi = shfl_down(bits, 1)
-    out = np.zeros((n, iq.block_bytes(nbits)), np.uint8)
-    out[:, :2] = np.ascontiguousarray(d.astype("<f2")).view(np.uint8).reshape(n, 2)
-    for lane in range(0, 32, 2):
-        w = (bits[:, lane] | (hi[:, lane] << np.uint32(4 * nbits))).astype(np.uint64)
-        g = lane >> 1
-        for b in range(nbits):
-            out[:, 2 + nbits * g + b] = (w >> np.uint64(8 * b)) & np.uint64(0xFF)
-    return out
+    g = 32 // nl
+    out = np.zeros((nw, g, iq.block_bytes(nbits, qk)), np.uint8)
+    for lane in range(32):
+        blk, sl = divmod(lane, nl)
+        if sl == 0:                                     # the group's lane 0 writes d
+            out[:, blk, :2] = np.ascontiguousarray(d[:, lane].astype("<f2")).view(np.uint8).reshape(nw, 2)
+        if sl % 2 == 0:                                 # even lanes write their group's BITS bytes
+            w = (bits[:, lane] | (hi[:, lane] << np.uint32(4 * nbits))).astype(np.uint64)
+            for b in range(nbits):
+                out[:, blk, 2 + nbits * (sl >> 1) + b] = (w >> np.uint64(8 * b)) & np.uint64(0xFF)
+    return out.reshape(nw * g, -1)[:n]
 
 
-def iso_lane_bits(qs: np.ndarray, nbits: int = 3) -> np.ndarray:
-    """rq_iso_lane_bits<nbits> for every lane; qs (n, 16*nbits) -> (n, 32) 4*nbits-bit groups"""
+def iso_lane_bits(qs: np.ndarray, nbits: int = 3, nl: int = 32) -> np.ndarray:
+    """rq_iso_lane_bits<nbits> for every lane (lane % nl in its group); qs (n, 32, nl/2*nbits): the qs bytes
+    of each lane's block -> (n, 32) 4*nbits-bit groups"""
     q = qs.astype(np.uint64)
     out = np.empty((qs.shape[0], 32), np.uint32)
     for lane in range(32):
-        p = nbits * (lane >> 1)
+        sl = lane % nl
+        p = nbits * (sl >> 1)
         w = np.zeros(qs.shape[0], np.uint64)
         for b in range(nbits):
-            w |= q[:, p + b] << np.uint64(8 * b)
-        out[:, lane] = (w >> np.uint64(4 * nbits * (lane & 1))) & np.uint64((1 << (4 * nbits)) - 1)
+            w |= q[:, lane, p + b] << np.uint64(8 * b)
+        out[:, lane] = (w >> np.uint64(4 * nbits * (sl & 1))) & np.uint64((1 << (4 * nbits)) - 1)
     return out
 
 
-def iso_dequant_warp(blocks: np.ndarray, nbits: int = 3) -> np.ndarray:
+def iso_dequant_warp(blocks: np.ndarray, nbits: int = 3, qk: int = 128) -> np.ndarray:
+    """rq_iso_dequant_warp<nbits, qk> for n blocks (n, 2 + qk*nbits/8) bytes -> (n, qk) float32"""
+    nl, g = _nl(qk), 32 // _nl(qk)
     n = blocks.shape[0]
-    d = np.ascontiguousarray(blocks[:, :2]).view("<f2").reshape(n).astype(F32)
-    bits = iso_lane_bits(blocks[:, 2:], nbits)
-    cb = iq.codebook(nbits).astype(F32)
-    v = np.stack([d[:, None] * cb[(bits >> (nbits * e)) & ((1 << nbits) - 1)] for e in range(4)], axis=-1)
-    return iso_rotate_inv_warp(v).reshape(n, 128)
+    pad = (-n) % g
+    b = np.concatenate([blocks, np.repeat(blocks[-1:], pad, axis=0)]) if pad else blocks
+    nw = b.shape[0] // g
+    lane_blk = b.reshape(nw, g, -1)[:, LANES // nl]                 # (nw, 32, bytes): each lane's block
+    d = np.ascontiguousarray(lane_blk[:, :, :2]).view("<f2").reshape(nw, 32).astype(F32)
+    bits = iso_lane_bits(lane_blk[:, :, 2:], nbits, nl)
+    cb = iq.codebook(nbits, qk).astype(F32)
+    v = np.stack([d * cb[(bits >> (nbits * e)) & ((1 << nbits) - 1)] for e in range(4)], axis=-1)
+    return from_warps(iso_rotate_inv_warp(v, nl), qk, n)
 
 
 def test_iso_codec(rng: np.random.Generator) -> None:
@@ -156,26 +195,37 @@ def test_iso_codec(rng: np.random.Generator) -> None:
     spec[2, :] = -np.inf
     x.append(spec)
     x = np.concatenate(x).astype(F32)
-    for nbits in iq.BITS:
-        with np.errstate(all="ignore"):
-            ref = iq.quantize_blocks(x, bits=nbits)
-            got = iso_quantize_warp(x, nbits)
-        bad = np.nonzero((ref != got).any(axis=1))[0]
-        check(f"iso{nbits} quantiser (tree norm, WHT lanes, SO(4), packing) == numpy/C reference, bytes",
-              bad.size == 0, f"{x.shape[0]} blocks" + (f", first differing block {bad[0]}" if bad.size else ""))
-        with np.errstate(all="ignore"):
-            dref = iq.dequantize_blocks(ref, bits=nbits)
-            dgot = iso_dequant_warp(ref, nbits)
-        same = np.array_equal(dref.view(np.uint32), dgot.view(np.uint32))
-        check(f"iso{nbits} dequantiser (lane bits, SO(4)^T, WHT, signs) == reference, float bits", same)
+    # qk = 64: the same values as 64-wide blocks (2 per row), plus one: an odd count leaves the last warp's
+    # upper group past the end (it repeats the last block and stores nothing)
+    x64 = np.concatenate([x.reshape(-1, 64), rng.standard_normal((1, 64)).astype(F32)])
+    for qk, xs in ((128, x), (64, x64)):
+        for nbits in iq.BITS:
+            name = f"iso{nbits}" + ("" if qk == 128 else "_64 (16-lane groups)")
+            with np.errstate(all="ignore"):
+                ref = iq.quantize_blocks(xs, bits=nbits, qk=qk)
+                got = iso_quantize_warp(xs, nbits, qk)
+            bad = np.nonzero((ref != got).any(axis=1))[0]
+            check(f"{name} quantiser (tree norm, WHT lanes, SO(4), packing) == numpy/C reference, bytes",
+                  bad.size == 0, f"{xs.shape[0]} blocks" + (f", first differing block {bad[0]}" if bad.size else ""))
+            with np.errstate(all="ignore"):
+                dref = iq.dequantize_blocks(ref, bits=nbits, qk=qk)
+                dgot = iso_dequant_warp(ref, nbits, qk)
+            same = np.array_equal(dref.view(np.uint32), dgot.view(np.uint32))
+            check(f"{name} dequantiser (lane bits, SO(4)^T, WHT, signs) == reference, float bits", same)
     v = rng.standard_normal((64, 32, 4)).astype(F32)
     a = np.exp(rng.uniform(-30, 30, (512, 128)))     # wide range: the summation order shows in the bits
     check("iso float64 tree norm across lanes == reference tree, bits",
-          np.array_equal(tree_sum_warp(a.reshape(512, 32, 4)).view(np.uint64), iq._tree_sum_f64(a).view(np.uint64)))
+          np.array_equal(tree_sum_warp(a.reshape(512, 32, 4))[:, 0].view(np.uint64), iq._tree_sum_f64(a).view(np.uint64)))
+    check("iso_64 float64 tree norm across 16-lane groups == reference tree, bits",
+          np.array_equal(tree_sum_warp(a.reshape(512, 32, 4), 16)[:, ::16].reshape(-1).view(np.uint64),
+                         iq._tree_sum_f64(a.reshape(1024, 64)).view(np.uint64)))
     check("iso R then R^T in the lane layout ~ identity",
           np.abs(iso_rotate_inv_warp(iso_rotate_warp(v)) - v).max() < 1e-5)
     check("iso warp rotation == reference rotate()",
           np.array_equal(iso_rotate_warp(v).reshape(64, 128), iq.rotate(v.reshape(64, 128))))
+    check("iso_64 rotation in 16-lane groups == reference rotate(qk=64), inverse too",
+          np.array_equal(iso_rotate_warp(v, 16).reshape(128, 64), iq.rotate(v.reshape(128, 64), qk=64))
+          and np.array_equal(iso_rotate_inv_warp(v, 16).reshape(128, 64), iq.rotate_inverse(v.reshape(128, 64), qk=64)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,12 +234,12 @@ def test_iso_codec(rng: np.random.Generator) -> None:
 TILE = 128
 
 
-def stage_rows(rows: np.ndarray, nb: int, nbits: int = 3, sw: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """rq_fa_stage<nb, sw, nbits>: rows (n, nb*(2+16*nbits)) bytes -> staged words (n, sw) uint32, scales (n, nb)."""
+def stage_rows(rows: np.ndarray, nb: int, nbits: int = 3, sw: int | None = None, qk: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """rq_fa_stage<nb, sw, nbits, qk>: rows (n, nb*(2+qk*nbits/8)) bytes -> staged words (n, sw) uint32, scales (n, nb)."""
     n = rows.shape[0]
-    hpb = 1 + 8 * nbits
+    hpb = 1 + qk * nbits // 16
     src = rows.view("<u2").reshape(n, nb * hpb)
-    sw = sw or 4 * nbits * nb + 1
+    sw = sw or (qk // 32) * nbits * nb + 1
     dst16 = np.zeros((n, 2 * sw), np.uint16)
     dsh = np.zeros((n, nb), F32)
     for u in range(nb * hpb):
@@ -211,43 +261,54 @@ def idx_bits(w: np.ndarray, k: int, nbits: int = 3) -> np.ndarray:
     return (v & np.uint64((1 << nbits) - 1)).astype(np.int64)
 
 
-def staged_k_indices(words: np.ndarray, nb: int, nbits: int = 3) -> np.ndarray:
-    """the score loop's view: (n, nb*128) indices"""
+def staged_k_indices(words: np.ndarray, nb: int, nbits: int = 3, qk: int = 128) -> np.ndarray:
+    """the score loop's view: (n, nb*qk) indices (NCH = qk/32 chunks of 32 per block)"""
     n = words.shape[0]
-    kw = 4 * nbits
-    out = np.empty((n, nb * 128), np.int64)
+    nch = qk // 32
+    kw = nch * nbits
+    out = np.empty((n, nb * qk), np.int64)
     for b in range(nb):
-        for ch in range(4):
+        for ch in range(nch):
             w = words[:, kw * b + nbits * ch: kw * b + nbits * ch + nbits]
             for k in range(32):
-                out[:, b * 128 + 32 * ch + k] = idx_bits(w, k, nbits)
+                out[:, b * qk + 32 * ch + k] = idx_bits(w, k, nbits)
     return out
 
 
-def staged_v_indices(words: np.ndarray, nb: int, nbits: int = 3) -> np.ndarray:
-    """the accumulate loop's view (rq_fa_lane_bits): lane l takes bits 4*nbits*l.. of each block"""
+def staged_v_indices(words: np.ndarray, nb: int, nbits: int = 3, qk: int = 128) -> np.ndarray:
+    """the accumulate loop's view (rq_fa_lane_bits): lane l (of the block's qk/4) takes bits 4*nbits*l.. of each block"""
     n = words.shape[0]
-    vw = 4 * nbits
-    out = np.empty((n, nb * 128), np.int64)
+    vw = (qk // 32) * nbits
+    out = np.empty((n, nb * qk), np.int64)
     for b in range(nb):
-        for lane in range(32):
+        for lane in range(qk // 4):
             bit = 4 * nbits * lane
             wi, sh = bit >> 5, bit & 31
             bits = words[:, vw * b + wi] >> np.uint64(sh)
             if sh > 32 - 4 * nbits:
                 bits |= (words[:, vw * b + wi + 1] << np.uint64(32 - sh)) & np.uint64(0xFFFFFFFF)
             for e in range(4):
-                out[:, b * 128 + 4 * lane + e] = ((bits >> np.uint64(nbits * e)) & np.uint64((1 << nbits) - 1)).astype(np.int64)
+                out[:, b * qk + 4 * lane + e] = ((bits >> np.uint64(nbits * e)) & np.uint64((1 << nbits) - 1)).astype(np.int64)
     return out
 
 
+def rotate_blocks(x: np.ndarray, qk: int, inverse: bool = False) -> np.ndarray:
+    """rq_iso_rotate(_inv)_warp<qk> on each qk-block of the rows of x (n, D): blocks in lane groups"""
+    n, D = x.shape
+    w, nblk = to_warps(x.reshape(-1, qk).astype(F32), qk)
+    r = iso_rotate_inv_warp(w, _nl(qk)) if inverse else iso_rotate_warp(w, _nl(qk))
+    return from_warps(r, qk, nblk).reshape(n, D)
+
+
 def fattn_model(q, kb, vb, mask, sinks, scale, max_bias, softcap, nc, nsplit_target):
-    """k_rq_fattn + k_rq_fattn_combine for ISO K and V. q (N, H, D) f32; kb/vb (n_kv, Hkv, nb*50) bytes;
-    mask (N, n_kv) f32 or None; returns (N, H, D) in the layout dst[i1][h]."""
+    """k_rq_fattn + k_rq_fattn_combine for 3-bit ISO K and V (qk = 64 at D = 64, else 128). q (N, H, D) f32;
+    kb/vb (n_kv, Hkv, nb*block bytes); mask (N, n_kv) f32 or None; returns (N, H, D) in the layout dst[i1][h].
+    Which warp or half-warp accumulates which row is not modelled (a sum)."""
     N, H, D = q.shape
     n_kv, Hkv, _ = kb.shape
-    nb, g = D // 128, H // Hkv
-    cb = iq.CODEBOOK.astype(F32)
+    qk = 64 if D == 64 else 128
+    nb, g = D // qk, H // Hkv
+    cb = iq.codebook(3, qk).astype(F32)
     scale_eff = F32(scale / softcap if softcap != 0 else scale)
     n_head_log2 = 1 << int(np.floor(np.log2(H)))
     m0 = F32(2.0 ** (-max_bias / n_head_log2))
@@ -264,18 +325,18 @@ def fattn_model(q, kb, vb, mask, sinks, scale, max_bias, softcap, nc, nsplit_tar
     part_vkq = np.zeros((nsplit, N * H, D), F32)
     part_ms = np.zeros((nsplit, N * H, 2), F32)
     for ik2 in range(Hkv):
-        kw, kd = stage_rows(kb[:, ik2], nb)
-        vw, vd = stage_rows(vb[:, ik2], nb)
-        kidx = staged_k_indices(kw, nb)                    # (n_kv, D)
-        vidx = staged_v_indices(vw, nb)
-        kval = cb[kidx] * np.repeat(kd, 128, axis=1)        # d * c[idx], rotated domain
-        vval = np.repeat(vd, 128, axis=1) * cb[vidx]
+        kw, kd = stage_rows(kb[:, ik2], nb, qk=qk)
+        vw, vd = stage_rows(vb[:, ik2], nb, qk=qk)
+        kidx = staged_k_indices(kw, nb, qk=qk)              # (n_kv, D)
+        vidx = staged_v_indices(vw, nb, qk=qk)
+        kval = cb[kidx] * np.repeat(kd, qk, axis=1)         # d * c[idx], rotated domain
+        vval = np.repeat(vd, qk, axis=1) * cb[vidx]
         for tile in range(ntile):
             cols = [tile * nc + c for c in range(nc) if tile * nc + c < ncols]
             iq1 = [f // g for f in cols]
             hs = [ik2 * g + f % g for f in cols]
             Qs = np.stack([q[i, h] * scale_eff for i, h in zip(iq1, hs)]).astype(F32)     # (C, D)
-            Qs = iso_rotate_warp(Qs.reshape(-1, 32, 4)).reshape(len(cols), D)   # per 128-block
+            Qs = rotate_blocks(Qs, qk)                      # per qk-block
             slope = np.array([1.0 if max_bias <= 0 else (m0 ** (h + 1) if h < n_head_log2 else m1 ** (2 * (h - n_head_log2) + 1))
                               for h in hs], F32)
             for z in range(nsplit):
@@ -323,7 +384,7 @@ def fattn_model(q, kb, vb, mask, sinks, scale, max_bias, softcap, nc, nsplit_tar
             if sinks is not None:
                 S += np.exp(sink - Mf)
         o = o * (0 if S == 0 else 1 / S)
-        out[i, h] = iso_rotate_inv_warp(o.reshape(-1, 32, 4).astype(F32)).reshape(D)
+        out[i, h] = rotate_blocks(o.reshape(1, D), qk, inverse=True).reshape(D)
     return out
 
 
@@ -365,6 +426,15 @@ def test_fattn(rng: np.random.Generator) -> None:
               np.array_equal(staged_k_indices(w, 2, nbits), ref))
         check(f"fattn staging {nbits}-bit: accumulate-loop lane bits == unpack [{b}]",
               np.array_equal(staged_v_indices(w, 2, nbits), ref))
+    for nbits in iq.BITS:                            # 64-value blocks, D = 64: one block per row
+        bb = iq.block_bytes(nbits, 64)
+        rows = iq.quantize_blocks(rng.standard_normal((150, 64)).astype(F32), bits=nbits, qk=64)
+        w, _ = stage_rows(rows, 1, nbits, sw=2 * 4 + 1, qk=64)
+        ref = iq.unpack_indices(rows[:, 2:], nbits).reshape(150, 64)
+        check(f"fattn staging {nbits}-bit, 64-value blocks: score-loop indices (rq_idx) == unpack",
+              np.array_equal(staged_k_indices(w, 1, nbits, 64), ref))
+        check(f"fattn staging {nbits}-bit, 64-value blocks: accumulate-loop lane bits (16 lanes) == unpack",
+              np.array_equal(staged_v_indices(w, 1, nbits, 64), ref))
 
     cases = [  # D, N, H, Hkv, n_kv, mask kind, sinks, softcap, max_bias, nc, nsplit
         (128, 1, 8, 2, 700, "none", False, 0.0, 0.0, 4, 3),
@@ -373,15 +443,19 @@ def test_fattn(rng: np.random.Generator) -> None:
         (128, 5, 8, 2, 520, "causal", True, 10.0, 0.0, 8, 4),
         (256, 1, 2, 1, 129, "rowdead", True, 0.0, 8.0, 4, 2),
         (128, 4, 4, 2, 400, "rowdead", False, 0.0, 0.0, 8, 3),
+        (64, 1, 9, 3, 700, "none", False, 0.0, 0.0, 4, 3),      # SmolLM2's shape: 9/3 heads of 64
+        (64, 5, 8, 2, 520, "causal", True, 10.0, 0.0, 8, 4),
+        (64, 2, 4, 4, 300, "random", True, 0.0, 8.0, 1, 2),
     ]
     for D, N, H, Hkv, n_kv, mk, use_sinks, softcap, max_bias, nc, ns in cases:
         q = rng.standard_normal((N, H, D)).astype(F32)
         kf = (rng.standard_normal((n_kv, Hkv, D)) + 0.3).astype(F32)
         vf = rng.standard_t(4, (n_kv, Hkv, D)).astype(F32)
-        kb = iq.quantize_blocks(kf.reshape(-1, 128)).reshape(n_kv, Hkv, -1)
-        vb = iq.quantize_blocks(vf.reshape(-1, 128)).reshape(n_kv, Hkv, -1)
-        K = iq.dequantize_blocks(kb.reshape(-1, 50)).reshape(n_kv, Hkv, D)
-        V = iq.dequantize_blocks(vb.reshape(-1, 50)).reshape(n_kv, Hkv, D)
+        qk = 64 if D == 64 else 128
+        kb = iq.quantize_blocks(kf.reshape(-1, qk), qk=qk).reshape(n_kv, Hkv, -1)
+        vb = iq.quantize_blocks(vf.reshape(-1, qk), qk=qk).reshape(n_kv, Hkv, -1)
+        K = iq.dequantize_blocks(kb.reshape(-1, iq.block_bytes(3, qk)), qk=qk).reshape(n_kv, Hkv, D)
+        V = iq.dequantize_blocks(vb.reshape(-1, iq.block_bytes(3, qk)), qk=qk).reshape(n_kv, Hkv, D)
         mask = None
         if mk == "causal":
             mask = np.where(np.arange(n_kv)[None, :] <= (n_kv - N + np.arange(N))[:, None], 0.0, -np.inf).astype(F32)
