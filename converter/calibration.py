@@ -318,8 +318,10 @@ def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], b
     from rotaryquant.bindings.capture import _base
 
     grams = GramCollector(_base(), want)
+    t0 = time.perf_counter()
     kcal, n = kcenter.run_pass(model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
                                progress=progress, verbose=verbose, hook=grams, k_stats=k_stats)
+    t1 = time.perf_counter()
     xtx: dict[str, np.ndarray] = {}
     for g in list(grams.sums):
         xtx[g] = grams.sums.pop(g).astype(np.float32)
@@ -329,5 +331,8 @@ def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], b
         from rotaryquant.converter.gguf_source import open_gguf
 
         reader = open_gguf(model)
-    return Stats(Identity.of_gguf(model, reader), xtx, group_of, {w: grams.shapes[w] for w in group_of}, grams.tokens,
-                 kcal, n, text_name, hashlib.sha256(text).hexdigest(), skipped, layer_tensors(gguf_shapes(model, reader)))
+    st = Stats(Identity.of_gguf(model, reader), xtx, group_of, {w: grams.shapes[w] for w in group_of}, grams.tokens,
+               kcal, n, text_name, hashlib.sha256(text).hexdigest(), skipped, layer_tensors(gguf_shapes(model, reader)))
+    st.notes.append(f"calibration pass {t1 - t0:.0f} s, of which {grams.seconds:.0f} s "
+                    "accumulating Gram matrices")
+    return st

@@ -36,6 +36,7 @@ PREFIX = "rotaryquant.k_center."
 FORMAT_VERSION = 1          # rotaryquant.k_center.version; the C++ loader checks it
 MIN_TOKENS = 256            # fewer tokens give means dominated by the first positions
 DEFAULT_TOKENS = 4096
+HOOK_BATCH = 512            # tokens per llama_decode when a hook needs every token as an output
 LAM_MIN, LAM_MAX = 2.0**-8, 2.0**8  # keeps K/lam and Q*lam well inside fp16 for any cache type
 
 # attention that is not shift-invariant in its logits: centring would change the model there
@@ -267,6 +268,10 @@ def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text:
         chunks = [c for c in chunks if len(c) >= 16]
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = cp.n_ubatch = n_ctx
+        if hook is not None:
+            # every token is an output, so the last layer's FFN sees all of them (llama.cpp drops the
+            # non-output rows before it); sub-batches bound the logits buffer (n_batch x n_vocab floats)
+            cp.n_batch = cp.n_ubatch = min(n_ctx, HOOK_BATCH)
         cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 2
         cp.type_k = cp.type_v = L.GGML_TYPE_F16
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
@@ -274,22 +279,34 @@ def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text:
         ctx = L.llama_init_from_model(mp, cp)
         if not ctx:
             raise ConvertError(f"could not create a llama.cpp context for {model}", fix="see the log above")
+        batch = None
         try:
             bar = _bar(sum(len(c) for c in chunks), progress, desc="calibrating" if hook else "calibrating K")
+            batch = L.llama_batch_init(cp.n_batch, 0, 1) if hook is not None else None
             for c in chunks:
                 toks = ([bos] if bos is not None else []) + c
-                arr = (L.llama_token * len(toks))(*toks)
                 L.llama_memory_clear(L.llama_get_memory(ctx), True)
-                if hook is not None:
-                    hook.new_batch()
-                rc = L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks)))
-                if errors:
-                    raise errors[0]
-                if rc != 0:
-                    raise ConvertError("llama_decode failed during calibration", fix="see the log above")
+                for i in range(0, len(toks), cp.n_batch) if batch is not None else (0,):
+                    if batch is not None:
+                        part = toks[i:i + cp.n_batch]
+                        batch.n_tokens = len(part)
+                        for j, tok in enumerate(part):
+                            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, i + j, 1, 1
+                            batch.seq_id[j][0] = 0
+                        hook.new_batch()
+                        rc = L.llama_decode(ctx, batch)
+                    else:
+                        arr = (L.llama_token * len(toks))(*toks)
+                        rc = L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks)))
+                    if errors:
+                        raise errors[0]
+                    if rc != 0:
+                        raise ConvertError("llama_decode failed during calibration", fix="see the log above")
                 bar.update(len(c))
             bar.close()
         finally:
+            if batch is not None:
+                L.llama_batch_free(batch)
             L.llama_free(ctx)
     finally:
         L.llama_model_free(mp)
