@@ -482,8 +482,10 @@ def test_rows_api_and_chunking():
     for im in (None, imat):
         rows = itq3.quantize_rows(W, im)
         assert rows.shape == (7, 300) and rows.dtype == np.uint8
-        iw = None if im is None else np.tile(imat.reshape(3, QK), (7, 1))
-        np.testing.assert_array_equal(rows.reshape(21, 100), itq3.quantize_blocks(W.reshape(21, QK), iw))
+        if im is None:
+            np.testing.assert_array_equal(rows.reshape(21, 100), itq3.quantize_blocks(W.reshape(21, QK)))
+        else:  # rows with an imatrix: LDLQ with H = diag(imatrix) (tests/quants/test_itq3_ldlq.py)
+            np.testing.assert_array_equal(rows, itq3.quantize_rows_ldlq(W, imatrix=im))
         np.testing.assert_array_equal(itq3.dequantize_rows(rows), itq3.dequantize_blocks(rows.reshape(21, 100))
                                       .reshape(7, 3 * QK))
     # (256,) imatrix broadcasts to every block
@@ -546,12 +548,20 @@ def test_rotated_dot_identity():
         assert abs(dot - float(wh @ x)) < 1e-5 * np.linalg.norm(wh) * np.linalg.norm(x)
 
 
+def _v1_rows(W, imp):
+    """The v1 per-block imatrix quantiser (quantize_blocks with an imatrix) on rows; quantize_rows with an
+    imatrix is LDLQ now (tests/quants/test_itq3_ldlq.py), v1 stays its fallback for degenerate blocks."""
+    nb = W.shape[1] // QK
+    iw = np.tile(np.asarray(imp, F32).reshape(nb, QK), (W.shape[0], 1))
+    return itq3.quantize_blocks(W.reshape(-1, QK), iw).reshape(W.shape[0], nb * 100)
+
+
 def test_imatrix_lowers_weighted_error():
     rng = np.random.default_rng(31)
     W = (rng.standard_normal((128, 1024)) * 0.02).astype(F32)
     imp = np.exp(1.5 * rng.standard_normal(1024)).astype(F32)
     plain = itq3.dequantize_rows(itq3.quantize_rows(W))
-    weighted = itq3.dequantize_rows(itq3.quantize_rows(W, imp))
+    weighted = itq3.dequantize_rows(_v1_rows(W, imp))
     ep, ew = _rel_rmse(W, plain, imp), _rel_rmse(W, weighted, imp)
     assert ew < 0.97 * ep, (ew, ep)
     # the unweighted error may rise a little, not much
@@ -560,7 +570,7 @@ def test_imatrix_lowers_weighted_error():
     Wb, Hb = W.reshape(-1, QK), weighted.reshape(-1, QK)
     assert np.all(np.abs(Wb[:, 0] - Hb[:, 0]) < 2e-3 * np.abs(Wb).max(1))
     # a uniform imatrix changes only the final refit, not the error much
-    flat_imp = itq3.dequantize_rows(itq3.quantize_rows(W, np.ones(1024, F32)))
+    flat_imp = itq3.dequantize_rows(_v1_rows(W, np.ones(1024, F32)))
     assert _rel_rmse(W, flat_imp) < 1.02 * _rel_rmse(W, plain)
 
 
@@ -598,7 +608,7 @@ def test_final_step_is_norm_preserving_imatrix():
     W = (rng.standard_normal((256, 1024)) * 0.02).astype(F32)
     imp = np.exp(1.5 * rng.standard_normal(1024)).astype(F32)
     iw = np.broadcast_to(imp, W.shape)
-    gain, rel, energy = _block_gain_stats(W, itq3.dequantize_rows(itq3.quantize_rows(W, imp)), iw)
+    gain, rel, energy = _block_gain_stats(W, itq3.dequantize_rows(_v1_rows(W, imp)), iw)
     assert np.all(np.abs(energy - 1) < 2e-3), np.abs(energy - 1).max()
     g, r = float(gain.mean()), float(rel.mean())
     assert abs(g - (1 - r / 2)) < 0.01 * (1 - r / 2), (g, r)
