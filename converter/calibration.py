@@ -88,7 +88,8 @@ class GramCollector:
         if op == self.mul_mat_id:
             src0 = self._src(t, 0)
             name = _weight_name(self.lib.ggml_get_name(src0).decode()) if src0 else "?"
-            self.skipped.setdefault(name, "MoE expert matmul (MUL_MAT_ID): not collected")
+            if self.want(name):
+                self.skipped.setdefault(name, "MoE expert matmul (MUL_MAT_ID): not collected")
             return None
         if op != self.mul_mat:
             return None

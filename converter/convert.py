@@ -448,6 +448,10 @@ def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], boo
                            "K centring only")
     if k_why is not None:
         stats.notes.append(f"K centring not measured: {k_why}")
+    moe = [n for n, why in stats.skipped.items() if "MUL_MAT_ID" in why]
+    if moe:
+        stats.notes.append(f"{len(moe)} MoE expert tensor(s) (e.g. {moe[0]}) have no statistics: expert matmuls "
+                           "(MUL_MAT_ID) are not collected, they are quantised without")
     missing = [n for n in cands if n not in stats.group_of]
     if missing:
         why = {stats.skipped[n] for n in missing if n in stats.skipped} or {"no matmul read them"}

@@ -233,3 +233,26 @@ def test_saved_statistics_reproduce_the_file_and_are_refused_elsewhere(calibrate
     rc, _, err = _run(capsys, str(smol2_hf), str(bad), "--recipe", "itq3", "--calibration-data", str(other))
     assert rc == 1 and "another vocabulary" in err
     assert not bad.exists() and _left(tmp_path) == []
+
+
+def test_shared_inputs_share_one_accumulator_and_moe_experts_are_skipped(moe_hf, tmp_path):
+    """Qwen2-MoE toy (256 wide): q/k/v read one tensor, so do the shared expert's gate/up; experts are
+    MUL_MAT_ID and get no statistics (noted)."""
+    from rotaryquant.converter.convert import Options, convert
+
+    out, npz = tmp_path / "o.gguf", tmp_path / "s.npz"
+    res = convert(moe_hf, out, Options(recipe="itq3", promote=False, calibrate="", calibration_tokens=256,
+                                       save_calibration=npz, progress=False))
+    s = C.Stats.load(npz)
+    for il in (0, 1):
+        q = s.group_of[f"blk.{il}.attn_q.weight"]
+        assert s.group_of[f"blk.{il}.attn_k.weight"] == q == s.group_of[f"blk.{il}.attn_v.weight"]
+        gate = s.group_of[f"blk.{il}.ffn_gate_shexp.weight"]
+        assert s.group_of[f"blk.{il}.ffn_up_shexp.weight"] == gate
+        assert len({q, gate, s.group_of[f"blk.{il}.attn_output.weight"],
+                    s.group_of[f"blk.{il}.ffn_down_shexp.weight"]}) == 4
+        assert f"blk.{il}.ffn_down_exps.weight" not in s.group_of
+    assert len(s.xtx) == 8 and set(s.tokens.values()) == {s.n_tokens}
+    assert any("MoE expert" in n and "MUL_MAT_ID" in n for n in res.notes), res.notes
+    assert set(res.calibrated) == set(s.group_of)
+    assert _left(tmp_path) == []
