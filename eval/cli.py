@@ -29,11 +29,14 @@ ERRORS = (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchErr
           convertspeed.ConvertSpeedError, weightspeed.WeightSpeedError, ValueError)
 
 
-def _write(stem: Path, res: dict | list, md: str) -> None:
+def _write(stem: Path, res: dict | list, md: str, *, echo: bool = True) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    stem.with_suffix(".md").write_text(md)
-    print(md)
+    for suffix, text in ((".json", json.dumps(res, indent=1)), (".md", md)):
+        tmp = stem.with_suffix(suffix + ".partial")
+        tmp.write_text(text)
+        tmp.replace(stem.with_suffix(suffix))
+    if echo:
+        print(md)
 
 
 def _ints(spec: str, what: str) -> list[int]:
@@ -115,11 +118,16 @@ def cmd_weights(ns: argparse.Namespace) -> None:
         if not prev.is_file():
             raise ValueError(f"--merge: {prev} does not exist (run without --merge first)")
         merge = json.loads(prev.read_text())
-    with tempfile.TemporaryDirectory(prefix="rq-weights-") as tmp:
-        res = weights.bench(model, Path(ns.workdir or tmp), data.evaluation_text(), data.calibration_text(),
-                            variants=variants, chunks=ns.chunks, threads=ns.threads, reps=ns.reps, merge=merge)
     title = ("llama-quantize types" if ns.mode == "ftype"
              else f"one tensor role ({ns.tensor}) per type, Q8_0 elsewhere")
+
+    def save(res: dict) -> None:  # after every row: an interrupted run keeps its rows (--merge continues it)
+        _write(out, res, weights.to_markdown(res, title), echo=False)
+
+    with tempfile.TemporaryDirectory(prefix="rq-weights-") as tmp:
+        res = weights.bench(model, Path(ns.workdir or tmp), data.evaluation_text(), data.calibration_text(),
+                            variants=variants, chunks=ns.chunks, threads=ns.threads, reps=ns.reps, merge=merge,
+                            on_row=save)
     _write(out, res, weights.to_markdown(res, title))
 
 

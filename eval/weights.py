@@ -132,12 +132,13 @@ def speed(model: Path, *, threads: int, reps: int, n_prompt: int = 256, n_gen: i
 
 def bench(src: Path, workdir: Path, eval_text: Path, calib_text: Path, *, variants=DEFAULT_VARIANTS, ctx: int = 512,
           chunks: int = 20, imatrix_chunks: int = CALIB_TOKENS // 512, threads: int = 2, reps: int = 0,
-          merge: dict | None = None, progress=print) -> dict:
+          merge: dict | None = None, on_row=None, progress=print) -> dict:
     """Quantise ``src``'s F16 requantisation per variant and score it against F16's logits.
 
     Files in ``workdir`` (F16, importance matrix, baseline logits) are reused when present. ``merge``: an
     earlier result of the same model and settings; its rows are kept unless a variant here replaces them.
     ``reps`` > 0 adds llama-bench columns (noisy; ``rq-eval weight-speed`` is the speed measurement).
+    ``on_row``: called with the result so far after every row (a long run that stops keeps what it measured).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -152,6 +153,16 @@ def bench(src: Path, workdir: Path, eval_text: Path, calib_text: Path, *, varian
         imat = make_imatrix(f16, calib_text, workdir / f"{stem}.imatrix.gguf", chunks=imatrix_chunks, ctx=ctx, threads=threads)
     base_logits = workdir / f"{stem}.F16.c{ctx}x{chunks}.kld"
     rows = {r["label"]: r for r in (merge or {}).get("rows", [])}
+    n_params = _n_params(f16)
+
+    def result() -> dict:
+        for r in rows.values():
+            r["bpw"] = 8.0 * r["bytes"] / n_params
+        order = ["F16"] + [label for label in rows if label != "F16"]
+        return {"model": src.name, "params": n_params, "ctx": ctx, "chunks": chunks, "calib_tokens": imatrix_chunks * ctx,
+                "seconds": round(time.time() - t0) + int((merge or {}).get("seconds", 0)),
+                "rows": [rows[k] for k in order if k in rows]}
+
     if "F16" not in rows or not base_logits.exists():
         progress("[rq-eval] F16 baseline perplexity (saving logits)")
         tmp = base_logits.with_suffix(".partial")
@@ -160,6 +171,8 @@ def bench(src: Path, workdir: Path, eval_text: Path, calib_text: Path, *, varian
         tmp.replace(base_logits)
         rows["F16"] = {"label": "F16", "bytes": f16.stat().st_size, **base.as_dict(),
                        **(speed(f16, threads=threads, reps=reps) if reps else {})}
+        if on_row:
+            on_row(result())
     for v in variants:
         progress(f"[rq-eval] {v.label}")
         q = quantize(f16, v, workdir / f"{stem}.{_file_label(v.label)}.gguf", imat, threads, calib_text)
@@ -167,12 +180,9 @@ def bench(src: Path, workdir: Path, eval_text: Path, calib_text: Path, *, varian
         rows[v.label] = {"label": v.label, "bytes": q.stat().st_size, **r.as_dict(), "types": tensor_types(q),
                          **(speed(q, threads=threads, reps=reps) if reps else {})}
         q.unlink()
-    n_params = _n_params(f16)
-    for r in rows.values():
-        r["bpw"] = 8.0 * r["bytes"] / n_params
-    order = ["F16"] + [label for label in rows if label != "F16"]
-    return {"model": src.name, "params": n_params, "ctx": ctx, "chunks": chunks, "calib_tokens": imatrix_chunks * ctx,
-            "seconds": round(time.time() - t0) + int((merge or {}).get("seconds", 0)), "rows": [rows[k] for k in order]}
+        if on_row:
+            on_row(result())
+    return result()
 
 
 def _file_label(label: str) -> str:

@@ -54,3 +54,35 @@ def test_table_without_speed_shows_the_mixture():
 def test_table_with_speed():
     md = weights.to_markdown(_res(True), "t")
     assert "| pp t/s | tg t/s |" in md and "| 100.0 | 20.0 |" in md
+
+
+def test_rows_are_reported_as_they_are_measured_and_merged(tmp_path, monkeypatch):
+    from rotaryquant.eval import perplexity
+
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"")
+    calls = []
+
+    def fake_ppl(model, text, *, label, kld_base, save_base=False, **kw):
+        if save_base:
+            kld_base.write_bytes(b"logits")
+        return perplexity.PplResult(label, 10.0 + len(label), 0.1, kld_mean=None if save_base else 0.1)
+
+    def fake_quantize(f16, v, dst, imat, threads, calib):
+        dst.write_bytes(b"x" * 100)
+        return dst
+
+    monkeypatch.setattr(weights, "requantize_f16", lambda s, d: (d.write_bytes(b"f" * 400), d)[1])
+    monkeypatch.setattr(weights, "_n_params", lambda f: 200)
+    monkeypatch.setattr(weights.perplexity, "run", fake_ppl)
+    monkeypatch.setattr(weights, "quantize", fake_quantize)
+    monkeypatch.setattr(weights, "tensor_types", lambda q: {"Q4_K": 200})
+    vs = tuple(v for v in weights.DEFAULT_VARIANTS if v.label in ("IQ3_S", "ITQ3_S"))
+    res = weights.bench(src, tmp_path, tmp_path / "e.txt", tmp_path / "c.txt", variants=vs, chunks=10,
+                        on_row=lambda r: calls.append([x["label"] for x in r["rows"]]))
+    assert calls == [["F16"], ["F16", "IQ3_S"], ["F16", "IQ3_S", "ITQ3_S"]]
+    assert [r["bpw"] for r in res["rows"]] == [16.0, 4.0, 4.0]
+    # a later run keeps F16 and the rows it does not redo, and reuses the baseline logits
+    again = weights.bench(src, tmp_path, tmp_path / "e.txt", tmp_path / "c.txt", variants=vs[1:], chunks=10,
+                          merge=res)
+    assert [r["label"] for r in again["rows"]] == ["F16", "IQ3_S", "ITQ3_S"]
