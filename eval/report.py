@@ -50,6 +50,46 @@ CLAIMS = [
 ]
 
 
+def _itq_gap(w: dict, what: str) -> str | None:
+    """ΔPPL and KLD of ITQ3_S against IQ3_S, plain and with calibration (the best calibrated ITQ3_S row
+    against IQ3_S with an importance matrix), from one weights result."""
+    rows = {r["label"].upper().replace("FFN_DOWN=", ""): r for r in w["rows"]}
+    base = rows["F16"]["ppl"]
+
+    def cmp(a: dict, b: dict) -> str:
+        ga, gb = a["ppl"] - base, b["ppl"] - base
+        kld = (f", KLD {a['kld_mean']:.3f} vs {b['kld_mean']:.3f}" if a.get("kld_mean") is not None
+               and b.get("kld_mean") is not None else "")
+        return (f"ΔPPL {ga:+.2f} vs {gb:+.2f} ({a['bpw']:.2f} vs {b['bpw']:.2f} bpw file-wide){kld}; gap "
+                f"{'reduced' if abs(ga) < abs(gb) else 'increased'} by {abs(100 * (1 - abs(ga) / abs(gb))) if gb else float('nan'):.0f}%")
+
+    out = []
+    if "ITQ3_S" in rows and "IQ3_S" in rows:
+        out.append(f"{what}: ITQ3_S vs IQ3_S {cmp(rows['ITQ3_S'], rows['IQ3_S'])}")
+    cal = [r for k, r in rows.items() if k.startswith("ITQ3_S") and ("+CAL" in k or "+IMAT" in k)]
+    if cal and "IQ3_S+IMAT" in rows:
+        best = min(cal, key=lambda r: r.get("kld_mean") or r["ppl"])
+        out.append(f"calibrated: {best['label']} vs IQ3_S+imat {cmp(best, rows['IQ3_S+IMAT'])}")
+    return f"{'; '.join(out)}" if out else None
+
+
+def _itq_speed(sp: dict) -> str | None:
+    """Median per-round decode ratios ITQ3_S / IQ3_S and ITQ3_S / Q4_K_M from an interleaved weight-speed result."""
+    files = sp.get("files") or sp.get("rows") or []
+    by = {}
+    for r in files:
+        name = str(r.get("label") or r.get("file") or "").upper()
+        for t in ("ITQ3_S", "IQ3_S", "Q4_K_M"):
+            if t in name and not (t == "IQ3_S" and "ITQ3_S" in name):
+                by.setdefault(t, r)
+    if "ITQ3_S" not in by:
+        return None
+    tg = lambda r: r.get("tg_median") or (r.get("tg") or {}).get("median")  # noqa: E731
+    parts = [f"tg ITQ3_S / {t} {tg(by['ITQ3_S']) / tg(by[t]):.2f}×" for t in ("IQ3_S", "Q4_K_M")
+             if t in by and tg(by[t]) and tg(by["ITQ3_S"])]
+    return f"{sp.get('model', '')}: " + ", ".join(parts) + f" (medians of {sp.get('rounds', '?')} interleaved rounds)" if parts else None
+
+
 def _load(results: Path, name: str) -> dict | list | None:
     p = results / f"{name}.json"
     return json.loads(p.read_text()) if p.exists() else None
@@ -259,27 +299,26 @@ def build(results: Path) -> Path:
     else:
         body += ["## Memory plan vs measured", "", "_not run: `rq-plan --verify`_", ""]
 
-    for mode in ("tensor", "ftype"):
-        w = _load(results, f"weights-{mode}")
-        if w:
-            from rotaryquant.eval import weights
+    wfiles = [f for f in [results / "weights-tensor.json", *sorted(results.glob("weights-ftype*.json"))] if f.exists()]
+    gaps = []
+    for f in wfiles:
+        from rotaryquant.eval import weights
 
-            title = "llama-quantize types" if mode == "ftype" else "one tensor role per type, Q8_0 elsewhere"
-            body += [weights.to_markdown(w, title), ""]
-            rows = {r["label"]: r for r in w["rows"]}
-            base = rows["F16"]["ppl"]
-            itq = next((r for k, r in rows.items() if "ITQ3_S" in k.upper() and "IMAT" not in k.upper()), None)
-            iq3 = next((r for k, r in rows.items() if "IQ3_S" in k.upper() and "ITQ" not in k.upper() and "IMAT" not in k.upper()), None)
-            q4 = next((r for k, r in rows.items() if "Q4_K" in k.upper()), None)
-            if itq and iq3 and mode == "tensor":
-                gi, gq = itq["ppl"] - base, iq3["ppl"] - base
-                measured["itq_gap"] = (f"ΔPPL ITQ3_S {gi:+.3f} vs IQ3_S {gq:+.3f} ({itq['bpw']:.2f} vs {iq3['bpw']:.2f} bpw "
-                                       f"file-wide); gap {'reduced' if abs(gi) < abs(gq) else 'increased'} by "
-                                       f"{100 * (1 - abs(gi) / abs(gq)) if gq else float('nan'):.0f}%")
-            if itq and q4 and itq.get("tg_tps") and q4.get("tg_tps"):
-                measured.setdefault("itq_speed", f"{mode}: tg ITQ3_S / Q4_K {itq['tg_tps'] / q4['tg_tps']:.2f}×")
-        else:
-            body += [f"## Weights ({mode})", "", f"_not run: `rq-eval weights --mode {mode}`_", ""]
+        w = json.loads(f.read_text())
+        mode = "tensor" if f.stem == "weights-tensor" else "ftype"
+        title = "llama-quantize types" if mode == "ftype" else "one tensor role per type, Q8_0 elsewhere"
+        body += [weights.to_markdown(w, title), ""]
+        gap = _itq_gap(w, "SmolLM2 ffn_down only" if mode == "tensor" else f"whole {w['model'].split('-instruct')[0]}")
+        if gap:
+            gaps.append(gap)
+    if not wfiles:
+        body += ["## Weights", "", "_not run: `rq-eval weights`_", ""]
+    if gaps:
+        measured["itq_gap"] = "; ".join(gaps)
+    for f in sorted(results.glob("weight-speed*.json")):
+        sp = _itq_speed(json.loads(f.read_text()))
+        if sp:
+            measured["itq_speed"] = (measured.get("itq_speed", "") + "; " if "itq_speed" in measured else "") + sp
 
     if pv and pv.get("paging"):
         measured["paging"] = ", ".join(f"{r['slowdown']:.1f}× at {100 * r['fraction']:.0f}% of weights resident"
