@@ -309,7 +309,7 @@ static void itq3_hess_rotate(const float * h, const float * iw, double * A) {
     }
 }
 
-// normalise, damp and factor A (consumed; becomes L); false if A is degenerate (the plain quantiser is used)
+// normalise, damp and factor A (consumed; becomes L); false if A is degenerate (the caller falls back)
 static bool itq3_ldlq_factor(double * A, double damp, struct itq3_ldlq * f) {
     double dg[QK_ITQ], v[QK_ITQ];
     for (int i = 0; i < QK_ITQ*QK_ITQ; ++i) {
