@@ -520,11 +520,47 @@ void quantize_row_itq3_s(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     quantize_row_itq3_s_ref(x, (block_itq3_s *) y, k);
 }
 
+#if defined(__AVX2__)
+// stages h = 1, 2, 4 of the WHT inside one register: lanes j (bit h clear) get a + b, lanes j + h get a - b,
+// the same additions as ggml_rq_wht (bit-identical)
+static inline __m256 rq_wht8(__m256 v) {
+    __m256 p = _mm256_permute_ps(v, 0xb1);
+    v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xaa);
+    p = _mm256_permute_ps(v, 0x4e);
+    v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xcc);
+    p = _mm256_permute2f128_ps(v, v, 1);
+    return _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xf0);
+}
+
+// ggml_rq_itq3_rotate (signs, FWHT-256, * 1/16), bit-identical: stages h >= 8 pair whole registers
+static void rq_itq3_rotate(const float * GGML_RESTRICT x, float * GGML_RESTRICT t) {
+    __m256 v[QK_ITQ/8];
+    for (int i = 0; i < QK_ITQ/8; ++i) {
+        v[i] = rq_wht8(_mm256_mul_ps(_mm256_loadu_ps(x + 8*i), _mm256_loadu_ps(itq3_signs + 8*i)));
+    }
+    for (int h = 1; h < QK_ITQ/8; h <<= 1) {
+        for (int i = 0; i < QK_ITQ/8; i += 2*h) {
+            for (int j = i; j < i + h; ++j) {
+                const __m256 a = v[j], b = v[j + h];
+                v[j]     = _mm256_add_ps(a, b);
+                v[j + h] = _mm256_sub_ps(a, b);
+            }
+        }
+    }
+    const __m256 sc = _mm256_set1_ps(0.0625f);
+    for (int i = 0; i < QK_ITQ/8; ++i) {
+        _mm256_storeu_ps(t + 8*i, _mm256_mul_ps(v[i], sc));
+    }
+}
+#else
+#define rq_itq3_rotate ggml_rq_itq3_rotate
+#endif
+
 void quantize_row_q8_itq(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, int64_t k) {
     assert(k % QK_ITQ == 0);
     float t[QK_ITQ];
     for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
-        ggml_rq_itq3_rotate(x + ib*QK_ITQ, t);
+        rq_itq3_rotate(x + ib*QK_ITQ, t);
         quantize_row_q8_K(t, (block_q8_K *) y + ib, QK_ITQ);
     }
 }
@@ -541,39 +577,44 @@ void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const
     const int8_t * grid = itq3_grid;
 
 #if defined(__AVX2__)
-    // grid lookup with pshufb (8 entries, both lanes); |g| x sign(x, g) keeps maddubs in range
-    const __m128i g8   = _mm_loadl_epi64((const __m128i *) grid);
-    const __m256i gtab = _mm256_broadcastsi128_si256(g8);
+    // grid lookup with pshufb (8 entries, both lanes); |g| x sign(x, g) keeps maddubs in range (|g|, |x| <= 127).
+    // Code i of chunk c (codes 32c..32c+31, t = i - 32c): low bits qs[32*(c&1) + t] >> 2*(c>>1), high bit
+    // qh[t] >> c, moved to bit 2 by one 16-bit shift (c < 2 left, c > 2 right; the mask drops what crosses bytes).
+    // Per block the integer sums go to float lanes with one fmadd each (no horizontal add until the end),
+    // the offset term from the 16 bsums in one madd.
+    const __m256i gtab = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i *) grid));
     const __m256i m3   = _mm256_set1_epi8(3);
-    const __m256i m1   = _mm256_set1_epi8(1);
+    const __m256i m4   = _mm256_set1_epi8(4);
     const __m256i ones = _mm256_set1_epi16(1);
-    float sumf = 0.0f;
+    __m256 accd = _mm256_setzero_ps();
+    __m256 accm = _mm256_setzero_ps();
+#define RQ_ITQ3_DOT(acc, c, l, h) do { \
+        const __m256i g_  = _mm256_shuffle_epi8(gtab, _mm256_or_si256(_mm256_and_si256(l, m3), _mm256_and_si256(h, m4))); \
+        const __m256i q8_ = _mm256_loadu_si256((const __m256i *) (q8 + 32*(c))); \
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(g_, g_), _mm256_sign_epi8(q8_, g_)), ones)); \
+    } while (0)
     for (int ib = 0; ib < nb; ++ib) {
+        const int8_t * GGML_RESTRICT q8 = y[ib].qs;
         const __m256i lo0 = _mm256_loadu_si256((const __m256i *) (x[ib].qs +  0));
         const __m256i lo1 = _mm256_loadu_si256((const __m256i *) (x[ib].qs + 32));
         const __m256i hi  = _mm256_loadu_si256((const __m256i *) x[ib].qh);
-        __m256i acc = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
-            // codes 32c..32c+31: low bits from qs[32*(c&1) + t] >> 2*(c>>1), high bit from qh[t] >> c
-            const __m256i lo  = _mm256_and_si256(_mm256_srli_epi16(c & 1 ? lo1 : lo0, 2*(c >> 1)), m3);
-            const __m256i h   = _mm256_and_si256(_mm256_srli_epi16(hi, c), m1);
-            const __m256i idx = _mm256_or_si256(lo, _mm256_slli_epi16(h, 2));
-            const __m256i g   = _mm256_shuffle_epi8(gtab, idx);
-            const __m256i q8  = _mm256_loadu_si256((const __m256i *) (y[ib].qs + 32*c));
-            const __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(g, g), _mm256_sign_epi8(q8, g));
-            acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p16, ones));
-        }
-        __m128i a4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-        a4 = _mm_hadd_epi32(a4, a4);
-        a4 = _mm_hadd_epi32(a4, a4);
-        const int32_t isum = _mm_cvtsi128_si32(a4);
-        int32_t qsum = 0;
-        for (int j = 0; j < QK_ITQ/16; ++j) {
-            qsum += y[ib].bsums[j];
-        }
-        sumf += y[ib].d * (GGML_CPU_FP16_TO_FP32(x[ib].d) * (float) isum + GGML_CPU_FP16_TO_FP32(x[ib].m) * (float) qsum);
+        __m256i acc0 = _mm256_setzero_si256();
+        __m256i acc1 = _mm256_setzero_si256();
+        RQ_ITQ3_DOT(acc0, 0, lo0,                         _mm256_slli_epi16(hi, 2));
+        RQ_ITQ3_DOT(acc1, 1, lo1,                         _mm256_slli_epi16(hi, 1));
+        RQ_ITQ3_DOT(acc0, 2, _mm256_srli_epi16(lo0, 2), hi);
+        RQ_ITQ3_DOT(acc1, 3, _mm256_srli_epi16(lo1, 2), _mm256_srli_epi16(hi, 1));
+        RQ_ITQ3_DOT(acc0, 4, _mm256_srli_epi16(lo0, 4), _mm256_srli_epi16(hi, 2));
+        RQ_ITQ3_DOT(acc1, 5, _mm256_srli_epi16(lo1, 4), _mm256_srli_epi16(hi, 3));
+        RQ_ITQ3_DOT(acc0, 6, _mm256_srli_epi16(lo0, 6), _mm256_srli_epi16(hi, 4));
+        RQ_ITQ3_DOT(acc1, 7, _mm256_srli_epi16(lo1, 6), _mm256_srli_epi16(hi, 5));
+        const __m256i qsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *) y[ib].bsums), ones);
+        accd = _mm256_fmadd_ps(_mm256_set1_ps(y[ib].d*GGML_CPU_FP16_TO_FP32(x[ib].d)),
+                               _mm256_cvtepi32_ps(_mm256_add_epi32(acc0, acc1)), accd);
+        accm = _mm256_fmadd_ps(_mm256_set1_ps(y[ib].d*GGML_CPU_FP16_TO_FP32(x[ib].m)), _mm256_cvtepi32_ps(qsum), accm);
     }
-    *s = sumf;
+#undef RQ_ITQ3_DOT
+    *s = hsum_f32_8(_mm256_add_ps(accd, accm));
 #elif defined(RQ_NEON)
     // grid lookup with tbl (8 entries); 16 codes per register, integer dot (sdot where the CPU has it)
     const int8x16_t  gtab = vcombine_s8(vld1_s8(grid), vld1_s8(grid));
