@@ -141,7 +141,8 @@ def to_markdown(res: dict, title: str = "Weight-type speed") -> str:
     s = res["settings"]
     base = res["rows"][0]["file"]["name"]
     lines = [f"# {title}", "",
-             f"llama-bench pp{s['n_prompt']} / tg{s['n_gen']}, {s['threads']} threads, {s['rounds']} interleaved "
+             f"llama-bench pp{s['n_prompt']} / tg{s['n_gen']}, {s['threads']} thread{'s' * (s['threads'] != 1)}, "
+             f"{s['rounds']} interleaved "
              f"rounds (each file once per round, one repetition), {res['machine']['cpu']} "
              f"({res['machine']['cores']} cores), {res['date']}, {res['seconds']:.0f} s. "
              f"t/s: median [min-max]; ratio: median of the per-round ratios to **{base}** [min-max].", "",
