@@ -148,7 +148,7 @@ def text_tokens(text: bytes, tokenize: Callable[[bytes], list[int]], n_tokens: i
     ids = tokenize(text)
     if len(ids) < MIN_TOKENS:
         raise ConvertError(f"calibration text {name} is too short: {len(ids)} tokens, at least {MIN_TOKENS} "
-                           "are needed", fix="pass a longer text with -f")
+                           "are needed", fix="pass a longer text (rq-calibrate -f FILE, rq-convert --calibrate FILE)")
     return ids[:n_tokens]
 
 
