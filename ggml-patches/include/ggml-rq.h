@@ -14,8 +14,9 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 4   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
-                            // 4: the 64-wide types ISOQUANT3_64/ISOQUANT4_64 (ISOQ_Q64), *_qk rotation/codebook
+#define GGML_RQ_VERSION 5   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
+                            // 4: the 64-wide types ISOQUANT3_64/ISOQUANT4_64 (ISOQ_Q64), *_qk rotation/codebook;
+                            // 5: ggml_rq_quantize_itq3_s_xtx (ITQ3_S LDLQ with calibration statistics)
 
 GGML_API int ggml_rq_version(void);
 
