@@ -47,7 +47,9 @@ CALIB_TOKENS = 4096  # calibration tokens for every calibrated variant (8 imatri
 # matrix, and ITQ3_S through rq-convert with and without second-order calibration
 DEFAULT_VARIANTS = (
     *(Variant(label + suffix, label, imatrix=bool(suffix))
-      for label in ("Q4_K_M", "Q3_K_M", "Q3_K_S", "IQ3_S", "IQ3_XXS", "ITQ3_S") for suffix in ("", "+imat")),
+      for label in ("Q4_K_M", "Q3_K_M", "Q3_K_S", "IQ3_S", "ITQ3_S") for suffix in ("", "+imat")),
+    # llama-quantize's IQ3_XXS mixture puts some tensors in IQ2_S, which refuses to run without an imatrix
+    Variant("IQ3_XXS+imat", "IQ3_XXS", imatrix=True),
     Variant("ITQ3_S/rq", "ITQ3_S", recipe="itq3"),
     Variant("ITQ3_S/rq+cal", "ITQ3_S", recipe="itq3", calibrate=True),
 )

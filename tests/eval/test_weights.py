@@ -10,8 +10,9 @@ from rotaryquant.eval import weights
 def test_variants_cover_each_type_with_and_without_calibration():
     labels = [v.label for v in weights.DEFAULT_VARIANTS]
     assert len(labels) == len(set(labels))
-    for t in ("Q4_K_M", "Q3_K_M", "Q3_K_S", "IQ3_S", "IQ3_XXS", "ITQ3_S"):
+    for t in ("Q4_K_M", "Q3_K_M", "Q3_K_S", "IQ3_S", "ITQ3_S"):
         assert t in labels and f"{t}+imat" in labels
+    assert "IQ3_XXS+imat" in labels
     rq = {v.label: v for v in weights.DEFAULT_VARIANTS if v.recipe}
     # the calibrated rq-convert row has its uncalibrated control through the same recipe
     assert rq["ITQ3_S/rq+cal"].calibrate and not rq["ITQ3_S/rq"].calibrate
