@@ -67,7 +67,8 @@ def _itq_gap(w: dict, what: str) -> str | None:
     if "ITQ3_S" in rows and "IQ3_S" in rows:
         out.append(f"{what}: ITQ3_S vs IQ3_S {cmp(rows['ITQ3_S'], rows['IQ3_S'])}")
     cal = [r for k, r in rows.items() if k.startswith("ITQ3_S") and ("+CAL" in k or "+IMAT" in k)]
-    if cal and "IQ3_S+IMAT" in rows:
+    # results before calib_tokens was recorded used another calibration per type (and ITQ3_S's v1 imatrix quantiser)
+    if cal and "IQ3_S+IMAT" in rows and w.get("calib_tokens"):
         best = min(cal, key=lambda r: r.get("kld_mean") or r["ppl"])
         out.append(f"calibrated: {best['label']} vs IQ3_S+imat {cmp(best, rows['IQ3_S+IMAT'])}")
     return f"{'; '.join(out)}" if out else None
@@ -299,13 +300,13 @@ def build(results: Path) -> Path:
     else:
         body += ["## Memory plan vs measured", "", "_not run: `rq-plan --verify`_", ""]
 
-    wfiles = [f for f in [results / "weights-tensor.json", *sorted(results.glob("weights-ftype*.json"))] if f.exists()]
+    wfiles = [*sorted(results.glob("weights-tensor*.json")), *sorted(results.glob("weights-ftype*.json"))]
     gaps = []
     for f in wfiles:
         from rotaryquant.eval import weights
 
         w = json.loads(f.read_text())
-        mode = "tensor" if f.stem == "weights-tensor" else "ftype"
+        mode = "tensor" if f.stem.startswith("weights-tensor") else "ftype"
         title = "llama-quantize types" if mode == "ftype" else "one tensor role per type, Q8_0 elsewhere"
         body += [weights.to_markdown(w, title), ""]
         gap = _itq_gap(w, "SmolLM2 ffn_down only" if mode == "tensor" else f"whole {w['model'].split('-instruct')[0]}")
