@@ -75,20 +75,27 @@ def _itq_gap(w: dict, what: str) -> str | None:
 
 
 def _itq_speed(sp: dict) -> str | None:
-    """Median per-round decode ratios ITQ3_S / IQ3_S and ITQ3_S / Q4_K_M from an interleaved weight-speed result."""
-    files = sp.get("files") or sp.get("rows") or []
-    by = {}
-    for r in files:
-        name = str(r.get("label") or r.get("file") or "").upper()
-        for t in ("ITQ3_S", "IQ3_S", "Q4_K_M"):
-            if t in name and not (t == "IQ3_S" and "ITQ3_S" in name):
+    """Decode ITQ3_S / IQ3_S (and / Q3_K_S, Q4_K_M) from an interleaved ``rq-eval weight-speed`` result: the median
+    of per-round ratios where the other file is the run's baseline, else the ratio of medians."""
+    rows = [r for r in sp.get("rows") or [] if "OLD" not in str(r["file"]["name"]).upper()]
+    by: dict[str, dict] = {}
+    for r in rows:
+        n = str(r["file"]["name"]).upper()
+        for t in ("ITQ3_S", "IQ3_S", "Q3_K_S", "Q4_K_M"):
+            if t in n and not (t == "IQ3_S" and "ITQ3_S" in n):
                 by.setdefault(t, r)
-    if "ITQ3_S" not in by:
+    if "ITQ3_S" not in by or "IQ3_S" not in by:
         return None
-    tg = lambda r: r.get("tg_median") or (r.get("tg") or {}).get("median")  # noqa: E731
-    parts = [f"tg ITQ3_S / {t} {tg(by['ITQ3_S']) / tg(by[t]):.2f}×" for t in ("IQ3_S", "Q4_K_M")
-             if t in by and tg(by[t]) and tg(by["ITQ3_S"])]
-    return f"{sp.get('model', '')}: " + ", ".join(parts) + f" (medians of {sp.get('rounds', '?')} interleaved rounds)" if parts else None
+    first = (sp.get("rows") or [None])[0]
+    itq = by["ITQ3_S"]["tg"]
+
+    def ratio(t: str) -> float:
+        return itq["ratio"]["median"] if by[t] is first else itq["median"] / by[t]["tg"]["median"]
+
+    parts = [f"{ratio(t):.2f}× {t}" for t in ("IQ3_S", "Q3_K_S", "Q4_K_M") if t in by]
+    st = sp.get("settings") or {}
+    how = ", ".join(f"{k} {st[k]}" for k in ("threads", "n_prompt", "n_gen", "rounds") if k in st)
+    return "CPU decode ITQ3_S = " + ", ".join(parts) + f" (interleaved rounds; {how})"
 
 
 def _load(results: Path, name: str) -> dict | list | None:
@@ -316,7 +323,8 @@ def build(results: Path) -> Path:
         body += ["## Weights", "", "_not run: `rq-eval weights`_", ""]
     if gaps:
         measured["itq_gap"] = "; ".join(gaps)
-    for f in sorted(results.glob("weight-speed*.json")):
+    # weight-speed-MODEL.json; the -before / -kernels runs document the kernel change, not the current state
+    for f in [f for f in sorted(results.glob("weight-speed*.json")) if not f.stem.endswith(("-before", "-kernels"))]:
         sp = _itq_speed(json.loads(f.read_text()))
         if sp:
             measured["itq_speed"] = (measured.get("itq_speed", "") + "; " if "itq_speed" in measured else "") + sp

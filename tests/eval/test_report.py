@@ -48,3 +48,18 @@ def test_ledger_lists_a_row_held_by_two_result_files_once(tmp_path):
     text = report.build(tmp_path).read_text()
     ledger = next(line for line in text.splitlines() if line.startswith("| RotaryQuant Tab. 3 |"))
     assert ledger.count("m.gguf ctx 512: ΔPPL +2.500") == 1, ledger
+
+
+def test_itq_speed_ledger_uses_the_per_round_ratio_against_the_baseline():
+    from rotaryquant.eval import report
+
+    def row(name, med, ratio):
+        return {"file": {"name": name}, "tg": {"median": med, "ratio": {"median": ratio}}}
+
+    sp = {"settings": {"threads": 1, "rounds": 5},
+          "rows": [row("m.IQ3_S.gguf", 3.0, 1.0), row("m.ITQ3_S.gguf", 7.0, 2.5), row("m.Q3_K_S.gguf", 7.0, 2.0),
+                   row("m.ITQ3_S-oldkernel.gguf", 1.0, 0.3)]}
+    text = report._itq_speed(sp)
+    # against the baseline (first file): the median of per-round ratios, not 7/3; otherwise the ratio of medians
+    assert "2.50× IQ3_S" in text and "1.00× Q3_K_S" in text and "threads 1" in text
+    assert report._itq_speed({"rows": [row("m.Q3_K_S.gguf", 1.0, 1.0)]}) is None
