@@ -45,7 +45,8 @@ CLAIMS = [
      "patched llama-server, 8 clients, isoquant3_0 and f16 KV", "serve"),
     ("RotaryQuant §4.3", "IsoQuant pays off when KV attention > 20% of decode time",
      "share of decode time that grows with depth (attention), from t/s at depths 0 and the deepest", "attn_share"),
-    ("ITQ3_S abstract", "ITQ3_S reduces the PPL gap to FP16 by 57% vs IQ3_S", "ΔPPL of ITQ3_S vs IQ3_S (same tensors)", "itq_gap"),
+    ("ITQ3_S abstract", "ITQ3_S reduces the PPL gap to FP16 by 57% vs IQ3_S", "ΔPPL/KLD of ITQ3_S vs IQ3_S, plain and calibrated: one role (same tensors) and whole files",
+     "itq_gap"),
     ("ITQ3_S §6", "throughput > 1.5× the 4-bit alternatives (RTX 5090)", "CPU decode t/s ITQ3_S / Q4_K_M (no GPU here)", "itq_speed"),
 ]
 
@@ -70,7 +71,7 @@ def _itq_gap(w: dict, what: str) -> str | None:
     # results before calib_tokens was recorded used another calibration per type (and ITQ3_S's v1 imatrix quantiser)
     if cal and "IQ3_S+IMAT" in rows and w.get("calib_tokens"):
         best = min(cal, key=lambda r: r.get("kld_mean") or r["ppl"])
-        out.append(f"calibrated: {best['label']} vs IQ3_S+imat {cmp(best, rows['IQ3_S+IMAT'])}")
+        out.append(("" if out else f"{what}: ") + f"calibrated: {best['label']} vs IQ3_S+imat {cmp(best, rows['IQ3_S+IMAT'])}")
     return f"{'; '.join(out)}" if out else None
 
 
