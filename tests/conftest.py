@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,24 @@ def smollm2_f16(bin_dir, smollm2, tmp_path_factory) -> Path:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
+
+
+@pytest.fixture()
+def rpc_server(bin_dir):
+    """A ggml-rpc-server on a free loopback port (a CPU backend that llama sees as a GPU-type device)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 30
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.time() < deadline, "ggml-rpc-server did not listen"
+        time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=30)

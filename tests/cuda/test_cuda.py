@@ -8,10 +8,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -39,29 +37,6 @@ def test_cuda_units_compile_for_sm90(upstream_tree):
 # here: ggml's RPC backend reports its devices as GPUs, so a loopback ggml-rpc-server (the CPU backend behind
 # it) stands in for one. What this shows is llama's side only; the CUDA kernels run in scripts/cuda/gpu-check.sh.
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def rpc_endpoint(bin_dir):
-    port = _free_port()
-    proc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.time() < deadline, "ggml-rpc-server did not listen"
-        time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
-
 
 def _smollm2_isoquant(bin_dir, model, extra):
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", "The old lighthouse keeper", "-n", "16",
@@ -72,10 +47,10 @@ def _smollm2_isoquant(bin_dir, model, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ngl", ["99", "0"])
-def test_64_wide_isoquant_cache_on_a_gpu_type_device_is_accepted(bin_dir, smollm2, rpc_endpoint, ngl):
+def test_64_wide_isoquant_cache_on_a_gpu_type_device_is_accepted(bin_dir, smollm2, rpc_server, ngl):
     local = _smollm2_isoquant(bin_dir, smollm2, [])
     assert local.returncode == 0, local.stderr[-3000:]
-    remote = _smollm2_isoquant(bin_dir, smollm2, ["--rpc", rpc_endpoint, "-ngl", ngl])
+    remote = _smollm2_isoquant(bin_dir, smollm2, ["--rpc", rpc_server, "-ngl", ngl])
     assert remote.returncode == 0, remote.stderr[-3000:]
     log = remote.stderr
     assert "CPU kernels only" not in log

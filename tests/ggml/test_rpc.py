@@ -3,19 +3,11 @@ ggml-rpc-server (the same patched build); greedy output must equal the local run
 
 from __future__ import annotations
 
-import socket
 import subprocess
-import time
 
 import pytest
 
 pytestmark = pytest.mark.slow
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _complete(bin_dir, model, extra, cache="isoquant3_0"):
@@ -25,24 +17,6 @@ def _complete(bin_dir, model, extra, cache="isoquant3_0"):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout, proc.stderr
-
-
-@pytest.fixture()
-def rpc_server(bin_dir):
-    port = _port()
-    proc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.time() < deadline, "ggml-rpc-server did not listen"
-        time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
 
 
 def test_isoquant_kv_and_itq3_weights_over_rpc(bin_dir, gemma3, tmp_path, rpc_server):
