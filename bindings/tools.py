@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.errors import MissingBuildError
 
 
 def bin_dir() -> Path:
@@ -14,8 +15,8 @@ def bin_dir() -> Path:
 
 
 def binary(name: str) -> Path:
-    """Path of one patched program; a clear error if set-up has not built it."""
+    """Path of one patched program; MissingBuildError if set-up has not built it."""
     p = bin_dir() / name
     if not p.exists():
-        raise FileNotFoundError(f"{p} does not exist; run `make setup` to build the patched llama.cpp")
+        raise MissingBuildError(f"{name} is not built ({p} does not exist)")
     return p

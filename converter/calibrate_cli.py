@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from rotaryquant.converter import kcenter
-from rotaryquant.converter.errors import ConvertError
+from rotaryquant.errors import run_cli
 
 EPILOG = """\
 What it writes: rotaryquant.k_center.{version,layers,mean,scale} (float arrays, per layer x KV head x
@@ -44,23 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        out, cal = kcenter.calibrate(args.model, args.output, text=args.file, n_tokens=args.tokens, n_ctx=args.ctx,
-                                     threads=args.threads, progress=not args.no_progress,
-                                     verbose=args.verbose)
-    except ConvertError as e:
-        print(f"rq-calibrate: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rq-calibrate: interrupted; nothing written", file=sys.stderr)
-        return 130
+    out, cal = kcenter.calibrate(args.model, args.output, text=args.file, n_tokens=args.tokens, n_ctx=args.ctx,
+                                 threads=args.threads, progress=not args.no_progress, verbose=args.verbose)
     if args.show:
         for line in kcenter.summary(cal):
             print(line)
     print(f"wrote {out}: K centring for {len(cal.layers)} layers from {cal.tokens} tokens of {cal.text_name}")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-calibrate", _main, argv, interrupted="interrupted; nothing written")
 
 
 if __name__ == "__main__":

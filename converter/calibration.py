@@ -23,7 +23,6 @@ names and shapes), checked when the file is reused with ``--calibration-data``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -32,20 +31,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rotaryquant.converter import kcenter
 from rotaryquant.converter.errors import ConvertError
 
+if TYPE_CHECKING:
+    from rotaryquant.bindings.capture import Node
+
 BLOCK = 256
 FORMAT = "rotaryquant.calibration"
 FORMAT_VERSION = 1
-
-# struct ggml_tensor (ggml.h): type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src,
-# view_offs, data, name[64]
-_OP_OFF, _SRC_OFF = 80, 152
 
 
 def _weight_name(name: str) -> str:
@@ -58,17 +56,17 @@ def _weight_name(name: str) -> str:
 class GramCollector:
     """The eval-callback half that accumulates block Gram matrices of matmul inputs.
 
-    ``ask(t)`` / ``take(t)`` are called from :func:`kcenter.run_pass`'s callback for every node;
-    ``new_batch()`` before each ``llama_decode`` (inputs are identified per graph).
+    ``ask(node)`` / ``take(node)`` are called from :func:`kcenter.run_pass`'s callback
+    (:class:`rotaryquant.bindings.capture.EvalCallback`) for every node; ``new_batch()`` before each
+    ``llama_decode`` (inputs are identified per graph).
     """
 
-    def __init__(self, lib: Any, want: Callable[[str], bool]) -> None:
-        self.lib = lib
+    def __init__(self, want: Callable[[str], bool]) -> None:
+        from rotaryquant.bindings import capture
+
         self.want = want
-        lib.ggml_op_name.restype = ctypes.c_char_p
-        lib.ggml_op_name.argtypes = [ctypes.c_int]
-        self.mul_mat = next(i for i in range(200) if lib.ggml_op_name(i) == b"MUL_MAT")
-        self.mul_mat_id = next(i for i in range(200) if lib.ggml_op_name(i) == b"MUL_MAT_ID")
+        self.mul_mat = capture.op_id("MUL_MAT")  # loads the library and checks struct ggml_tensor's layout
+        self.mul_mat_id = capture.op_id("MUL_MAT_ID")
         self.group_of: dict[str, str] = {}        # weight -> group (its first weight's name)
         self.sums: dict[str, np.ndarray] = {}     # group -> (n/256, 256, 256) float64
         self.tokens: dict[str, int] = {}          # group -> tokens accumulated
@@ -80,58 +78,56 @@ class GramCollector:
     def new_batch(self) -> None:
         self._seen.clear()
 
-    def _src(self, t: int, i: int) -> int:
-        return ctypes.c_void_p.from_address(t + _SRC_OFF + 8 * i).value or 0
-
-    def _weight(self, t: int) -> tuple[int, str] | None:
-        op = ctypes.c_int.from_address(t + _OP_OFF).value
+    def _weight(self, n: Node) -> tuple[Node, str] | None:
+        op = n.op
         if op == self.mul_mat_id:
-            src0 = self._src(t, 0)
-            name = _weight_name(self.lib.ggml_get_name(src0).decode()) if src0 else "?"
+            src0 = n.src(0)
+            name = _weight_name(src0.name) if src0 is not None else "?"
             if self.want(name):
                 self.skipped.setdefault(name, "MoE expert matmul (MUL_MAT_ID): not collected")
             return None
         if op != self.mul_mat:
             return None
-        src0 = self._src(t, 0)
-        name = _weight_name(self.lib.ggml_get_name(src0).decode())
+        src0 = n.src(0)
+        assert src0 is not None
+        name = _weight_name(src0.name)
         if not name.startswith("blk.") or not name.endswith(".weight") or not self.want(name):
             return None
         return src0, name
 
-    def ask(self, t: int) -> bool:
-        w = self._weight(t)
+    def ask(self, n: Node) -> bool:
+        w = self._weight(n)
         if w is None:
             return False
         src0, name = w
-        cols = ctypes.c_int64.from_address(src0 + kcenter._NE_OFF).value
+        cols = src0.ne[0]
         if cols % BLOCK:
             self.skipped[name] = f"rows of {cols} values are not a multiple of {BLOCK}"
             return False
-        src1 = self._src(t, 1)
-        if ctypes.c_int.from_address(src1).value != 0:
+        src1 = n.src(1)
+        if src1 is None or src1.type != 0:  # GGML_TYPE_F32
             self.skipped[name] = "its input is not F32 in the graph"
             return False
         return True
 
-    def take(self, t: int) -> bool:
-        """Accumulate the input of matmul node t; False when t is not one of ours."""
-        w = self._weight(t)
+    def take(self, n: Node) -> bool:
+        """Accumulate the input of matmul node n; False when n is not one of ours."""
+        w = self._weight(n)
         if w is None:
             return False
         src0, name = w
-        src1 = self._src(t, 1)
-        ne = tuple(ctypes.c_int64.from_address(src1 + kcenter._NE_OFF + 8 * i).value for i in range(4))
-        rows = ctypes.c_int64.from_address(src0 + kcenter._NE_OFF + 8).value
-        self.shapes[name] = (int(rows), int(ne[0]))
-        key = (src1, self.lib.ggml_get_name(src1), ne)
+        src1 = n.src(1)
+        assert src1 is not None
+        ne = src1.ne
+        self.shapes[name] = (int(src0.ne[1]), int(ne[0]))
+        key = (src1.addr, src1.name, ne)
         g = self._seen.get(key)
         if g is not None:                          # same input as an earlier weight of this graph
             self.group_of.setdefault(name, g)
             return True
         g = self.group_of.setdefault(name, name)
         self._seen[key] = g
-        x = kcenter._read_f32(self.lib, src1)
+        x = src1.f32()
         if x is None:
             self.skipped[name] = "its input is not F32 in the graph"
             return True
@@ -316,9 +312,7 @@ def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], b
             progress: bool = True, verbose: bool = False, reader: Any = None) -> Stats:
     """One llama.cpp pass over ``text``: Gram blocks for the weights ``want`` accepts, and K centring
     when ``k_stats``."""
-    from rotaryquant.bindings.capture import _base
-
-    grams = GramCollector(_base(), want)
+    grams = GramCollector(want)
     t0 = time.perf_counter()
     kcal, n = kcenter.run_pass(model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
                                progress=progress, verbose=verbose, hook=grams, k_stats=k_stats)

@@ -9,8 +9,8 @@ import traceback
 
 from rotaryquant.converter import kcenter
 from rotaryquant.converter import roles as R
-from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.recipes import ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, RECIPES
+from rotaryquant.errors import RQError, UsageError, run_cli
 
 _ROLE_ORDER = (R.ATTENTION, R.FFN_DENSE, R.FFN_ROUTED, R.FFN_SHARED, R.OTHER, R.TOKEN_EMBD, R.OUTPUT)
 
@@ -80,22 +80,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="rq-convert: %(levelname)s: %(message)s")
     from rotaryquant.converter.convert import Options, convert
 
     if not args.dry_run and not args.output:
-        print("rq-convert: error: no output file given (rq-convert SOURCE OUT.gguf, or --dry-run)", file=sys.stderr)
-        return 2
+        raise UsageError("no output file given (rq-convert SOURCE OUT.gguf, or --dry-run)")
     if args.calibration_data and args.calibrate is not None:
-        print("rq-convert: error: --calibrate measures statistics, --calibration-data reuses them; give one",
-              file=sys.stderr)
-        return 2
+        raise UsageError("--calibrate measures statistics, --calibration-data reuses them; give one")
     if args.save_calibration and args.calibrate is None:
-        print("rq-convert: error: --save-calibration needs --calibrate TEXT", file=sys.stderr)
-        return 2
+        raise UsageError("--save-calibration needs --calibrate TEXT")
     opts = Options(recipe=args.recipe, tensor_types=args.tensor_type, imatrix=args.imatrix,
                    kurtosis_threshold=args.kurtosis_threshold, act_kurtosis_threshold=args.act_kurtosis_threshold,
                    promote=not args.no_promote, measure=True if args.table == "full" or args.dry_run else None,
@@ -105,14 +101,10 @@ def main(argv: list[str] | None = None) -> int:
                    calibration_tokens=args.calibration_tokens)
     try:
         res = convert(args.source, args.output, opts)
-    except ConvertError as e:
+    except RQError as e:  # run_cli prints it; --verbose shows what it came from first
         if args.verbose and e.__cause__ is not None:
             traceback.print_exception(e.__cause__, file=sys.stderr)
-        print(f"rq-convert: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rq-convert: interrupted; no output written", file=sys.stderr)
-        return 130
+        raise
     pl = res.planner
     if args.table != "none":
         rows = pl.table(full=args.table == "full" or args.dry_run)
@@ -126,7 +118,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{res.weights_per_second / 1e6:.1f} M weights/s" + (f", {res.backend} backend" if res.backend else ""))
     else:
         print(f"dry run: nothing written ({res.seconds:.1f} s)")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-convert", _main, argv, interrupted="interrupted; no output written")
 
 
 if __name__ == "__main__":

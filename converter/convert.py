@@ -28,6 +28,7 @@ from rotaryquant.converter.qtypes import FLOAT_TYPES, QT, file_type_for, quantiz
 from rotaryquant.converter.recipes import (ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, Planner, get_recipe,
                                            parse_override)
 from rotaryquant.converter.writer import META_PREFIX, StreamingWriter
+from rotaryquant.errors import RQError
 
 if TYPE_CHECKING:
     from rotaryquant.converter.calibration import Stats
@@ -365,7 +366,7 @@ def itq3_wanted(planner: Planner) -> Callable[[str], bool]:
 def _calibration_text(opts: Options) -> tuple[bytes, str]:
     text = opts.calibrate
     if not text:
-        from rotaryquant.eval.data import calibration_text
+        from rotaryquant.data import calibration_text
 
         text = calibration_text()
     path = Path(text).expanduser()
@@ -516,7 +517,7 @@ def convert(source: str | Path, output: str | Path | None, opts: Options | None 
             result.output_bytes = out.stat().st_size
             result.file_type = file_type_for(planner.weights_per_type()).name
         ok = True
-    except ConvertError:
+    except RQError:  # ours already (a missing build among them): one line as it is
         raise
     except OSError as e:
         raise _io_error(e, src, out or parent) from e

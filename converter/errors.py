@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
+from rotaryquant.errors import RQError
 
-class ConvertError(Exception):
+
+class ConvertError(RQError):
     """A conversion that cannot go on. ``str(e)`` is one self-contained line for the user.
 
     The CLI prints it as ``rq-convert: error: <message>`` and exits 1; no output file is left behind.
     """
-
-    def __init__(self, message: str, *, fix: str | None = None) -> None:
-        self.message = message
-        self.fix = fix
-        super().__init__(message if not fix else f"{message}; {fix}")

@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.errors import MissingBuildError
 
 # keys not copied: written afresh by the writer / the converter, or meaningless in one new file
 _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.quantization_version",
@@ -71,7 +72,7 @@ def dequantize(t: Any) -> np.ndarray:
         from rotaryquant import bindings
 
         return bindings.dequantize(raw, int(qt), shape[-1]).reshape(shape)
-    except (ValueError, OSError, RuntimeError):
+    except (ValueError, OSError, RuntimeError, MissingBuildError):  # no build: gguf-py's decoder
         return np.asarray(quants.dequantize(raw, qt), dtype=np.float32).reshape(shape)
 
 

@@ -75,9 +75,9 @@ def resolve_input(spec: str | Path) -> tuple[str, Path]:
     if p.is_dir():
         return "hf", p
     if p.is_file():
-        with open(p, "rb") as f:
-            magic = f.read(4)
-        if magic == b"GGUF":
+        from rotaryquant.gguf_io import is_gguf
+
+        if is_gguf(p):
             return "gguf", p
         if p.name == "config.json":
             return "hf", p.parent

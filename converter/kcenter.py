@@ -17,20 +17,20 @@ calibrating a 1 GB file takes seconds and never dequantises a tensor.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import hashlib
 import os
-import struct
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from rotaryquant.converter.errors import ConvertError
+
+if TYPE_CHECKING:
+    from rotaryquant.bindings.capture import EvalCallback, Node
 
 PREFIX = "rotaryquant.k_center."
 FORMAT_VERSION = 1          # rotaryquant.k_center.version; the C++ loader checks it
@@ -40,12 +40,29 @@ HOOK_BATCH = 512            # tokens per llama_decode when a hook needs every to
 LAM_MIN, LAM_MAX = 2.0**-8, 2.0**8  # keeps K/lam and Q*lam well inside fp16 for any cache type
 
 # attention that is not shift-invariant in its logits: centring would change the model there
-# (logit soft-capping, tanh-scaled logits); K used as V (MLA): neither rewrite is exact
+# (logit soft-capping, tanh-scaled logits). The runtime decides the same from the loaded model, in
+# ggml-patches/src/llama/llama-rq.cpp (K centring's set-up: hparams.attn_soft_cap || arch == grok);
+# these are checked here from the GGUF, before a pass is run.
 _SOFTCAP_KEYS = ("attn_logit_softcapping",)
 _REFUSED_ARCHS = {"grok": "tanh-scaled attention logits", "gemma2": "attention logit soft-capping"}
-# archs that write the K cache outside build_attn or share K with V; the runtime refuses them too
-_UNHOOKED_ARCHS = ("deepseek2", "deepseek32", "deepseek4", "glm-dsa", "hy_v4", "dflash", "glm5-next",
-                   "minimax-m3", "qwen4exp", "dots3note", "kimi-linear", "bailingmoe3")
+# MLA (K used as V: deepseek2, kimi-linear, bailingmoe3, ...): the runtime refuses by hparams.is_mla();
+# from the GGUF, these keys. The architectures that write K outside build_attn come from the library.
+_MLA_KEYS = ("attention.kv_lora_rank", "attention.key_length_mla")
+
+
+@functools.cache
+def _unhooked_archs() -> frozenset[str]:
+    """llama_rq_unhooked_archs(): the list the runtime refuses K centring and deferred prefill by."""
+    from rotaryquant.bindings import context, ggml
+
+    ggml.load_llama_cpp()  # MissingBuildError, not an ImportError, without the build
+    return frozenset(context.unhooked_archs())
+
+
+def k_cache_unhooked(arch: str, get: Callable[[str], Any]) -> bool:
+    """True when K centring cannot reach this model's K cache: MLA (``get(key)``: the GGUF value of
+    ``{arch}.key``, None when absent) or an architecture the C library lists as unhooked."""
+    return any(get(k) is not None for k in _MLA_KEYS) or arch in _unhooked_archs()
 
 
 @dataclass
@@ -135,7 +152,7 @@ def check_model(path: Path, reader: Any = None) -> str:
             raise ConvertError(f"{path.name}: attention logit soft-capping ({arch}.{k} = {f.contents()}) is "
                                "not shift-invariant, so K centring would change the model",
                                fix="keep this model's K cache at f16 or q8_0 without calibration")
-    if arch in _UNHOOKED_ARCHS or r.fields.get(f"{arch}.attention.kv_lora_rank") is not None:
+    if k_cache_unhooked(arch, lambda k: r.fields.get(f"{arch}.{k}")):
         raise ConvertError(f"{path.name}: {arch} writes or reuses its K cache in ways K centring does not "
                            "cover (MLA / custom attention)", fix="use this model without calibration")
     if r.fields.get(f"{arch}.attention.head_count") is None:
@@ -154,28 +171,11 @@ def text_tokens(text: bytes, tokenize: Callable[[bytes], list[int]], n_tokens: i
 
 # --- capture -------------------------------------------------------------------------------------------
 
-_NE_OFF, _NB_OFF = 16, 48  # struct ggml_tensor: type, buffer*, ne[4] (int64), nb[4] (size_t)
-
-
-def _read_f32(lib: Any, t: int) -> np.ndarray | None:
-    """A captured F32 tensor as [ne3, ne2, ne1, ne0], strided views included; None for other types."""
-    if ctypes.c_int.from_address(t).value != 0:
-        return None
-    ne = [ctypes.c_int64.from_address(t + _NE_OFF + 8 * i).value for i in range(4)]
-    nb = [ctypes.c_size_t.from_address(t + _NB_OFF + 8 * i).value for i in range(4)]
-    span = lib.ggml_nbytes(t)
-    raw = np.empty(span, np.uint8)
-    lib.ggml_backend_tensor_get(t, raw.ctypes.data, 0, span)
-    buf = raw.view(np.float32) if span % 4 == 0 else raw[: span - span % 4].view(np.float32)
-    arr = np.lib.stride_tricks.as_strided(buf, shape=ne[::-1], strides=nb[::-1], writeable=False)
-    return np.array(arr, np.float32)
-
-
 class Hook(Protocol):
     """A second statistic gathered in the same pass (see :class:`calibration.GramCollector`)."""
 
-    def ask(self, t: int) -> bool: ...
-    def take(self, t: int) -> bool: ...
+    def ask(self, n: Node) -> bool: ...
+    def take(self, n: Node) -> bool: ...
     def new_batch(self) -> None: ...
 
 
@@ -193,33 +193,24 @@ def run_pass(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAUL
              k_stats: bool = True) -> tuple[Calibration | None, int]:
     """One pass over the text: K statistics when ``k_stats``, and whatever ``hook`` gathers from the
     nodes it asks for. Returns (K calibration or None, tokens evaluated)."""
-    import llama_cpp as L
-    from rotaryquant.bindings.capture import _base
+    from rotaryquant.bindings.capture import EvalCallback
 
-    lib = _base()
     stats: dict[int, LayerStats] = {}
     pending_q: dict[int, np.ndarray] = {}
-    errors: list[BaseException] = []
     k_names = ("attn_q_in-", "attn_k_in-") if k_stats else ()  # attn_v_in-: not needed here
 
-    def cb(t: int, ask: bool, _ud: int) -> bool:
-        try:
-            return _cb(t, ask)
-        except BaseException as e:  # noqa: BLE001 (ctypes would print and swallow it)
-            errors.append(e)
-            return False  # stops the graph: llama_decode fails and the error is raised below
+    def want(n: Node) -> bool:
+        return n.name.startswith(k_names) or (hook is not None and hook.ask(n))  # startswith(()) is False
 
-    def _cb(t: int, ask: bool) -> bool:
-        name = lib.ggml_get_name(t).decode()
-        if ask:
-            return name.startswith(k_names) or (hook is not None and hook.ask(t))  # startswith(()) is False
-        if hook is not None and hook.take(t):
-            return True
+    def take(n: Node) -> None:
+        if hook is not None and hook.take(n):
+            return
+        name = n.name
         if not name.startswith(k_names):
-            return True
-        a = _read_f32(lib, t)
+            return
+        a = n.f32()
         if a is None:
-            return True
+            return
         il = int(name.rsplit("-", 1)[1])
         x = a[0].reshape(a.shape[1], a.shape[2], a.shape[3])  # [tokens, heads, head_dim]
         if name.startswith("attn_k_in"):
@@ -231,24 +222,24 @@ def run_pass(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAUL
             stats[il].add_q(x)
         else:
             pending_q[il] = x.copy()
-        return True
 
-    cb_c = L.ggml_backend_sched_eval_callback(cb)
+    cb = EvalCallback(want, take)  # first: without the build this is a MissingBuildError, not an ImportError
+    import llama_cpp as L
     import llama_cpp._logger as llog
 
     level = llog.logger.level
     if not verbose:
         llog.set_verbose(False)  # llama.cpp's errors still print
     try:
-        return _collect(L, cb_c, stats, model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx,
-                        threads=threads, progress=progress, hook=hook, k_stats=k_stats, errors=errors)
+        return _collect(L, cb, stats, model, text, text_name=text_name, n_tokens=n_tokens, n_ctx=n_ctx,
+                        threads=threads, progress=progress, hook=hook, k_stats=k_stats)
     finally:
         llog.logger.setLevel(level)
 
 
-def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text: bytes, *, text_name: str,
-             n_tokens: int, n_ctx: int, threads: int | None, progress: bool, hook: Hook | None, k_stats: bool,
-             errors: list[BaseException]) -> tuple[Calibration | None, int]:
+def _collect(L: Any, cb: EvalCallback, stats: dict[int, LayerStats], model: Path, text: bytes, *, text_name: str,
+             n_tokens: int, n_ctx: int, threads: int | None, progress: bool, hook: Hook | None,
+             k_stats: bool) -> tuple[Calibration | None, int]:
     mp = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
     if not mp:
         raise ConvertError(f"llama.cpp could not load {model}", fix="see the log above")
@@ -275,7 +266,7 @@ def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text:
         cp.n_threads = cp.n_threads_batch = threads or os.cpu_count() or 2
         cp.type_k = cp.type_v = L.GGML_TYPE_F16
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        cp.cb_eval, cp.cb_eval_user_data = cb_c, None
+        cb.install(cp)
         ctx = L.llama_init_from_model(mp, cp)
         if not ctx:
             raise ConvertError(f"could not create a llama.cpp context for {model}", fix="see the log above")
@@ -298,8 +289,7 @@ def _collect(L: Any, cb_c: Any, stats: dict[int, LayerStats], model: Path, text:
                     else:
                         arr = (L.llama_token * len(toks))(*toks)
                         rc = L.llama_decode(ctx, L.llama_batch_get_one(arr, len(toks)))
-                    if errors:
-                        raise errors[0]
+                    cb.raise_pending()  # the callback's exception, when it stopped the graph
                     if rc != 0:
                         raise ConvertError("llama_decode failed during calibration", fix="see the log above")
                 bar.update(len(c))
@@ -330,82 +320,23 @@ def _bar(total: int, enabled: bool, unit: str = "tok", desc: str = "calibrating 
     return tqdm(total=total, unit=unit, desc=desc, disable=not enabled, leave=False)
 
 
-# --- GGUF rewrite (metadata only, data copied verbatim) -----------------------------------------------
-
-_GGUF_MAGIC = 0x46554747
-
-
-def _kv_bytes(key: str, value: Any) -> bytes:
-    from gguf import GGUFValueType as VT
-
-    def scalar(v: Any) -> tuple[int, bytes]:
-        if isinstance(v, str):
-            b = v.encode()
-            return VT.STRING, struct.pack("<Q", len(b)) + b
-        if isinstance(v, (bool, np.bool_)):
-            return VT.BOOL, struct.pack("<?", bool(v))
-        if isinstance(v, (int, np.integer)):
-            return VT.UINT32, struct.pack("<I", int(v))
-        return VT.FLOAT32, struct.pack("<f", float(v))
-
-    kb = key.encode()
-    head = struct.pack("<Q", len(kb)) + kb
-    if isinstance(value, np.ndarray):
-        sub = {np.dtype(np.float32): VT.FLOAT32, np.dtype(np.int32): VT.INT32}[value.dtype]
-        return head + struct.pack("<IIQ", VT.ARRAY, sub, value.size) + value.astype(value.dtype.newbyteorder("<")).tobytes()
-    vt, vb = scalar(value)
-    return head + struct.pack("<I", vt) + vb
-
-
-def _field_span(f: Any) -> tuple[int, int]:
-    return f.offset, f.offset + sum(int(p.nbytes) for p in f.parts)
-
+# --- GGUF rewrite (metadata only, data copied verbatim: rotaryquant.gguf_io) ---------------------------
 
 def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefix: str = PREFIX,
                      progress: bool = True) -> None:
     """Copy src to dst (atomically) with keys under drop_prefix removed and set_kv added."""
-    from gguf import GGUFReader
+    from rotaryquant import gguf_io
 
     try:
-        r = GGUFReader(src)
-    except Exception as e:  # noqa: BLE001
-        raise ConvertError(f"{src} is not a readable GGUF file ({type(e).__name__}: {e})",
-                           fix="check it was written by a llama.cpp of this tree") from None
-    keep = [f for k, f in r.fields.items() if not k.startswith("GGUF.") and not k.startswith(drop_prefix)]
-    n_kv = len(keep) + len(set_kv)
-    align_f = r.fields.get("general.alignment")
-    align = int(align_f.contents()) if align_f is not None else 32
-    ti = [_field_span(t.field) for t in r.tensors]
-    ti_start, ti_end = (min(a for a, _ in ti), max(b for _, b in ti)) if ti else (0, 0)
-    version = int(r.fields["GGUF.version"].contents())
-
-    dst = Path(dst)
-    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".partial")
+        r = gguf_io.open_reader(src, fix="check it was written by a llama.cpp of this tree")
+    except gguf_io.GGUFError as e:
+        raise ConvertError(e.message, fix=e.fix) from None
+    bar = _bar(os.path.getsize(src) - r.data_offset, progress, unit="B", desc="writing")
     try:
-        with os.fdopen(fd, "wb") as out, open(src, "rb") as fin:
-            out.write(struct.pack("<IIQQ", _GGUF_MAGIC, version, len(r.tensors), n_kv))
-            for f in keep:
-                a, b = _field_span(f)
-                fin.seek(a)
-                out.write(fin.read(b - a))
-            for k, v in set_kv.items():
-                out.write(_kv_bytes(k, v))
-            if ti:
-                fin.seek(ti_start)
-                out.write(fin.read(ti_end - ti_start))
-            out.write(b"\0" * (-out.tell() % align))
-            fin.seek(r.data_offset)
-            total = os.path.getsize(src) - r.data_offset
-            bar = _bar(total, progress, unit="B", desc="writing")
-            while chunk := fin.read(1 << 24):
-                out.write(chunk)
-                bar.update(len(chunk))
-            bar.close()
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        gguf_io.rewrite_metadata(src, dst, set_kv, drop=lambda k: k.startswith(drop_prefix), reader=r,
+                                 progress=lambda done, _total: bar.update(done - bar.n))
+    finally:
+        bar.close()
 
 
 def read_calibration(path: Path) -> dict[str, Any] | None:
@@ -429,7 +360,7 @@ def calibrate(model: str | Path, output: str | Path | None = None, *, text: str 
         raise ConvertError(f"cannot write {out}", fix="give a file name in an existing folder")
     check_model(model)
     if text is None:
-        from rotaryquant.eval.data import calibration_text
+        from rotaryquant.data import calibration_text
 
         text = calibration_text()
     text = Path(text).expanduser()

@@ -16,17 +16,14 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from rotaryquant import assets, paths
-from rotaryquant.bindings import RQTypeError
-from rotaryquant.eval import (ablation, convertspeed, data, decode, gate, isovariants, kvbench, kvmemory,
-                              kvquality, kvtypes, niah, perplexity, report, serve, weights, weightspeed)
+from rotaryquant import assets, data, kvtypes, paths
+from rotaryquant.errors import RQError, run_cli
+from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality, niah,
+                              report, serve, weights, weightspeed)
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
 GEMMA = "GGUF (default: the embedded Gemma3-270M)"
-ERRORS = (assets.AssetError, perplexity.PerplexityError, weights.WeightsBenchError, niah.NiahError,
-          serve.ServeError, RQTypeError, decode.DecodeError, kvbench.BenchError,
-          convertspeed.ConvertSpeedError, weightspeed.WeightSpeedError, ValueError)
 
 
 def _write(stem: Path, res: dict | list, md: str, *, echo: bool = True) -> None:
@@ -41,9 +38,16 @@ def _write(stem: Path, res: dict | list, md: str, *, echo: bool = True) -> None:
 
 def _ints(spec: str, what: str) -> list[int]:
     try:
-        return [int(x) for x in spec.split(",") if x.strip()]
+        return [int(x) for x in _names(spec)]
     except ValueError:
-        raise ValueError(f"{what} takes comma-separated integers, got {spec!r}") from None
+        raise RQError(f"{what} takes comma-separated integers, got {spec!r}") from None
+
+
+def _floats(spec: str, what: str) -> list[float]:
+    try:
+        return [float(x) for x in _names(spec)]
+    except ValueError:
+        raise RQError(f"{what} takes comma-separated numbers, got {spec!r}") from None
 
 
 def _names(spec: str) -> list[str]:
@@ -53,7 +57,7 @@ def _names(spec: str) -> list[str]:
 def _model(ns: argparse.Namespace, default: str) -> Path:
     model = ns.model or assets.model_path(default)
     if not Path(model).exists():
-        raise ValueError(f"model {model} does not exist")
+        raise RQError(f"model {model} does not exist")
     return Path(model)
 
 
@@ -81,12 +85,12 @@ def cmd_decode(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL)
     text = ns.text or data.evaluation_text()
     if not Path(text).exists():
-        raise ValueError(f"text {text} does not exist")
+        raise RQError(f"text {text} does not exist")
     modes = {"off": False, "on": True}
     deferred = []
     for d in _names(ns.deferred):
         if d not in modes:
-            raise ValueError(f"--deferred takes off, on or off,on; got {d!r}")
+            raise RQError(f"--deferred takes off, on or off,on; got {d!r}")
         deferred.append(modes[d])
     res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=_ints(ns.prefill, "--prefill"),
                      tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads)
@@ -97,7 +101,7 @@ def cmd_memory(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL)
     prompts = _ints(ns.prompt, "--prompt")
     if not prompts or min(prompts) < 2:
-        raise ValueError("--prompt takes prompt lengths of at least 2 tokens")
+        raise RQError("--prompt takes prompt lengths of at least 2 tokens")
     res = kvmemory.run(model, caches=_types(ns.kv), prompts=prompts, threads=ns.threads)
     _write(ns.out, res, kvmemory.to_markdown(res))
 
@@ -109,15 +113,18 @@ def cmd_weights(ns: argparse.Namespace) -> None:
         known = {v.label: v for v in variants}
         unknown = [x for x in ns.only.split(",") if x not in known]
         if unknown:
-            raise ValueError(f"--only: unknown variant(s) {', '.join(unknown)}; known: {', '.join(known)}")
+            raise RQError(f"--only: unknown variant(s) {', '.join(unknown)}; known: {', '.join(known)}")
         variants = tuple(known[x] for x in ns.only.split(","))
     out = ns.out or RESULTS / f"weights-{ns.mode}"
     merge = None
     if ns.merge:
         prev = out.with_suffix(".json")
         if not prev.is_file():
-            raise ValueError(f"--merge: {prev} does not exist (run without --merge first)")
-        merge = json.loads(prev.read_text())
+            raise RQError(f"--merge: {prev} does not exist (run without --merge first)")
+        try:
+            merge = json.loads(prev.read_text())
+        except ValueError as e:
+            raise RQError(f"--merge: {prev} is not a results file ({e})", "run without --merge") from None
     title = ("llama-quantize types" if ns.mode == "ftype"
              else f"one tensor role ({ns.tensor}) per type, Q8_0 elsewhere")
 
@@ -139,7 +146,7 @@ def cmd_ablation(ns: argparse.Namespace) -> None:
 
 def cmd_niah(ns: argparse.Namespace) -> None:
     res = niah.run(_model(ns, assets.ISO_MODEL), data.evaluation_text(), cache_types=_types(ns.kv),
-                   ctxs=_ints(ns.ctx, "--ctx"), depths=[float(d) for d in _names(ns.depths)],
+                   ctxs=_ints(ns.ctx, "--ctx"), depths=_floats(ns.depths, "--depths"),
                    threads=ns.threads)
     _write(ns.out, res, niah.to_markdown(res))
 
@@ -173,7 +180,7 @@ def cmd_soak(ns: argparse.Namespace) -> None:
     print(f"{res['requests']} requests, {res['malformed']} malformed{stalled}, "
           f"RSS growth {res['rss_growth_pct']}% (second half vs first half)")
     if res["malformed"] or res["rss_growth_pct"] > 5:
-        raise ValueError("soak failed: malformed responses or RSS growth above 5%")
+        raise RQError("soak failed: malformed responses or RSS growth above 5%")
 
 
 def cmd_convert_speed(ns: argparse.Namespace) -> None:
@@ -193,6 +200,8 @@ def cmd_weight_speed(ns: argparse.Namespace) -> None:
 
 
 def cmd_isoquant_variants(ns: argparse.Namespace) -> None:
+    if ns.vectors < isovariants.T:
+        raise RQError(f"--vectors: at least {isovariants.T} vectors (one attention context), got {ns.vectors}")
     modes = isovariants.iq.NORM_MODES if ns.all_modes else isovariants.DEFAULT_MODES
     res = isovariants.run(modes=tuple(modes), n=ns.vectors)
     _write(ns.out, res, isovariants.to_markdown(res))
@@ -367,30 +376,29 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     return ap, subs
 
 
-def _run(ns: argparse.Namespace, prog: str) -> int:
-    try:
-        ns.fn(ns)
-    except ERRORS as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
+def _eval(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ns = build_parser()[0].parse_args(argv)
     ns.prog, ns.argv = "rq-eval", argv
-    return _run(ns, "rq-eval")
+    ns.fn(ns)
 
 
-def bench_main(argv: list[str] | None = None) -> int:
-    """rq-bench: `rq-eval bench` under its own name."""
+def _bench(argv: list[str] | None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = build_parser()[1]["bench"]
     p.prog = "rq-bench"
     ns = p.parse_args(argv)
     ns.prog, ns.argv = "rq-bench", ["bench", *argv]
-    return _run(ns, "rq-bench")
+    ns.fn(ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-eval", _eval, argv)
+
+
+def bench_main(argv: list[str] | None = None) -> int:
+    """rq-bench: `rq-eval bench` under its own name."""
+    return run_cli("rq-bench", _bench, argv)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.errors import RQError
 
 UPSTREAM_FTYPE = {"rotaryquant": "Q4_K_M", "itq3": "ITQ3_S", "rotaryquant-itq3": "ITQ3_S", "q8_0": "Q8_0",
                   "f16": None}
@@ -35,7 +36,7 @@ MODELS = ("smollm2", "gemma3")
 INPUTS = ("hf", "gguf")
 
 
-class ConvertSpeedError(RuntimeError):
+class ConvertSpeedError(RQError):
     """A measured command failed, or the plan names an unknown model or input."""
 
 
@@ -112,7 +113,9 @@ def _hf_weights(folder: Path) -> int:
 
 
 def _quantize_bin() -> Path:
-    return Path(os.environ.get("RQ_BIN_DIR", paths.bin_dir())) / "llama-quantize"
+    from rotaryquant.bindings.tools import binary
+
+    return binary("llama-quantize")
 
 
 def _rq_convert_row(model: str, kind: str, src: Path, recipe: str, n: int, work: Path, nice: int) -> Row:

@@ -18,8 +18,9 @@ from pathlib import Path
 import gguf
 
 from rotaryquant import machine
+from rotaryquant import kvtypes
 from rotaryquant.bindings import tools
-from rotaryquant.eval import kvtypes
+from rotaryquant.errors import RQError
 
 # (label, cache type, unfused)
 DEFAULT_CONFIGS: tuple[tuple[str, str, bool], ...] = (
@@ -50,7 +51,7 @@ def config(spec: str) -> tuple[str, str, bool]:
     return spec, kvtypes.validate(base), UNFUSED in spec
 
 
-class BenchError(RuntimeError):
+class BenchError(RQError):
     """A benchmark could not run; the message says why and what to change."""
 
 

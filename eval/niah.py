@@ -13,10 +13,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rotaryquant.errors import RQError
+
 KEYS = ("blue lantern", "silver harbour", "green falcon", "amber gate")
 
 
-class NiahError(RuntimeError):
+class NiahError(RQError):
     """Bad arguments (context too large for the model, unknown cache type, ...)."""
 
 
@@ -58,7 +60,7 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
     import llama_cpp
 
     from rotaryquant.bindings import type_from_name
-    from rotaryquant.eval import kvtypes
+    from rotaryquant import kvtypes
 
     text = haystack.read_text(errors="replace")
     results: list[NiahResult] = []

@@ -13,11 +13,12 @@ import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rotaryquant import kvtypes
 from rotaryquant.bindings import tools
-from rotaryquant.eval import kvtypes
+from rotaryquant.errors import RQError
 
 
-class PerplexityError(RuntimeError):
+class PerplexityError(RQError):
     """llama-perplexity failed or printed nothing we could read; the message has its last lines."""
 
 

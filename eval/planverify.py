@@ -24,15 +24,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from rotaryquant import assets, machine, paths
+from rotaryquant import assets, data, machine, paths
 from rotaryquant import plan as P
-from rotaryquant.eval import data, serve
+from rotaryquant.errors import RQError
+from rotaryquant.eval import serve
 
 RESULTS = paths.REPO / "docs" / "results"
 TOLERANCE = 0.10   # the issue's target: predictions within +-10% of measured peak RSS
 
 
-class VerifyError(RuntimeError):
+class VerifyError(RQError):
     """A verification run that could not be made (server did not start, request failed, ...)."""
 
 

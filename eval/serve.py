@@ -24,8 +24,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rotaryquant import kvtypes
 from rotaryquant.bindings import tools
-from rotaryquant.eval import kvtypes
+from rotaryquant.errors import RQError
 
 PROMPTS = (
     "Write two sentences about the sea.",
@@ -48,7 +49,7 @@ DETERMINISTIC_ARGS = ("--no-repack",)
 DETERMINISTIC_ENV = {"GGML_CPU_TILED_MM": "0"}
 
 
-class ServeError(RuntimeError):
+class ServeError(RQError):
     """The server did not start, or a bounded step ran out of time."""
 
 

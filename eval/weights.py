@@ -24,10 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rotaryquant.bindings import tools
+from rotaryquant.errors import RQError
 from rotaryquant.eval import perplexity
 
 
-class WeightsBenchError(RuntimeError):
+class WeightsBenchError(RQError):
     """A step failed; the message names it."""
 
 

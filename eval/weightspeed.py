@@ -21,9 +21,10 @@ import gguf
 
 from rotaryquant import machine
 from rotaryquant.bindings import tools
+from rotaryquant.errors import RQError
 
 
-class WeightSpeedError(RuntimeError):
+class WeightSpeedError(RQError):
     """The benchmark cannot run or a run failed; the message says which file and why."""
 
 

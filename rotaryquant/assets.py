@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.errors import RQError, run_cli
 from rotaryquant.files import sha256
 
 
-class AssetError(RuntimeError):
+class AssetError(RQError):
     """A default model or text file is missing or damaged; the message says how to fix it."""
 
 
@@ -214,27 +215,26 @@ def ensure_default_assets(python: str = sys.executable) -> None:
     fetch_text(python)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python3 -m rotaryquant.assets",
                                  description="fetch the default models/text into the cache")
     ap.add_argument("what", nargs="*", default=["all"], help=f"all, text, or: {', '.join(MODELS)}")
     ns = ap.parse_args(argv)
-    try:
-        for w in ns.what:
-            if w == "all":
-                ensure_default_assets()
-            elif w == "text":
-                print(fetch_text())
-            else:
-                if w not in MODELS:
-                    raise AssetError(f"unknown asset {w!r}; known: all, text, {', '.join(MODELS)}")
-                print(fetch_model(w))
-    except AssetError as e:
-        print(f"rq-assets: error: {e}", file=sys.stderr)
-        return 1
-    return 0
+    for w in ns.what:
+        if w == "all":
+            ensure_default_assets()
+        elif w == "text":
+            print(fetch_text())
+        else:
+            if w not in MODELS:
+                raise AssetError(f"unknown asset {w!r}; known: all, text, {', '.join(MODELS)}")
+            print(fetch_model(w))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-assets", _main, argv)
 
 
 if __name__ == "__main__":

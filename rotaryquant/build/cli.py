@@ -12,16 +12,16 @@ what failed and how to fix it, and leaves nothing half-done that a re-run would 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rotaryquant import assets, paths
 from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, configure_and_build, cuda_cmake_args
-from rotaryquant.build.common import SetupError, log
+from rotaryquant.build.common import log
 from rotaryquant.build.install import install_python
 from rotaryquant.build.patches import apply_patches, export_patches
 from rotaryquant.build.sdist import fetch_sdist, read_lock, unpack
 from rotaryquant.build.tools import check_tools, ensure_ccache
 from rotaryquant.build.venv import ensure_python_deps, ensure_venv, venv_python
+from rotaryquant.errors import run_cli
 
 
 def cmd_setup(ns: argparse.Namespace) -> None:
@@ -59,7 +59,7 @@ def cmd_export(ns: argparse.Namespace) -> None:
     export_patches()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(prog="rq-setup", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -76,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "back to ggml-patches/*.patch")
     e.set_defaults(fn=cmd_export)
     ns = ap.parse_args(argv)
-    try:
-        ns.fn(ns)
-    except SetupError as e:
-        print(f"rq-setup: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rq-setup: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    ns.fn(ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-setup", _main, argv)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rotaryquant import paths
+from rotaryquant.errors import RQError
 
 PATCH_DIR = Path(os.environ.get("RQ_PATCH_DIR", paths.REPO / "ggml-patches"))
 
@@ -17,7 +18,7 @@ GIT_ID = ["-c", "user.name=rotaryquant", "-c", "user.email=rotaryquant@localhost
           "-c", "core.autocrlf=false", "-c", "advice.detachedHead=false"]
 
 
-class SetupError(RuntimeError):
+class SetupError(RQError):
     """A failed step: the message says what failed and how to fix it."""
 
 

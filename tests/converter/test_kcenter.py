@@ -85,6 +85,22 @@ def test_refusals_name_the_problem(tmp_path):
     assert kcenter.check_model(_gguf(tmp_path / "ok.gguf")) == "llama"
 
 
+def test_unhooked_refusal_reads_the_library_list(tmp_path):
+    # one list, in C (llama_rq_unhooked_archs): every name of it is refused, a name not on it is not
+    from rotaryquant import bindings
+
+    archs = bindings.unhooked_archs()
+    assert archs and not hasattr(kcenter, "_UNHOOKED_ARCHS")
+    for arch in archs:
+        with pytest.raises(ConvertError, match=f"{arch} writes or reuses its K cache"):
+            kcenter.check_model(_gguf(tmp_path / f"{arch}.gguf", arch))
+    assert "qwen2" not in archs and kcenter.check_model(_gguf(tmp_path / "qwen2.gguf", "qwen2")) == "qwen2"
+    # MLA is decided from the GGUF (the runtime: hparams.is_mla()), whatever the architecture
+    for key in ("attention.kv_lora_rank", "attention.key_length_mla"):
+        with pytest.raises(ConvertError, match="MLA"):
+            kcenter.check_model(_gguf(tmp_path / "mla.gguf", "qwen2", {f"qwen2.{key}": 512}))
+
+
 def test_short_text_is_refused():
     with pytest.raises(ConvertError, match="too short: 10 tokens"):
         kcenter.text_tokens(b"x" * 10, lambda b: list(b), 4096, "t.txt")

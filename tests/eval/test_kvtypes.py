@@ -1,11 +1,12 @@
-"""rotaryquant.eval.kvtypes and the bench configurations: cache specs with a +calib suffix."""
+"""rotaryquant.kvtypes and the bench configurations: cache specs with a +calib suffix."""
 
 from __future__ import annotations
 
 import pytest
 
 from rotaryquant.bindings import RQTypeError
-from rotaryquant.eval import kvbench, kvtypes
+from rotaryquant import kvtypes
+from rotaryquant.eval import kvbench
 
 
 def test_specs_split_and_carry_the_calibration_switch():

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rotaryquant.eval import data, niah
+from rotaryquant import data
+from rotaryquant.eval import niah
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rotaryquant.eval import data, kvquality, perplexity
+from rotaryquant import data
+from rotaryquant.eval import kvquality, perplexity
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from rotaryquant.eval import gate, kvbench, kvquality, report
 
 @pytest.mark.slow
 def test_report_from_real_small_runs(tmp_path, gemma3, smollm2):
-    from rotaryquant.eval import data
+    from rotaryquant import data
 
     kvb = kvbench.bench(gemma3, configs=[c for c in kvbench.DEFAULT_CONFIGS if c[0] in ("f16", "isoquant3_0",
                                                                                         "isoquant3_0-unfused")],

@@ -13,7 +13,6 @@ def k_center(spec: str) -> bool:
     return spec.strip().endswith(CALIB)
 
 
-
 def split(spec: str) -> tuple[str, str]:
     s = spec.strip()
     s = s[: -len(CALIB)] if s.endswith(CALIB) else s
