@@ -8,25 +8,27 @@
    isoquant3_0`` (K centring on, fused attention), then all-3-bit ``isoquant3_0`` K and V.
 
 Each run prints its size (file or KV cache), decode speed and how many of its tokens match the
-baseline's; the measured tables are in docs/results/REPORT.md.
+baseline's; the measured tables are in docs/results/REPORT.md. Generation runs in this process (the patched
+llama.cpp through llama_cpp): the KV size is ``llama_rq_get_memory``'s, the speed ``llama_perf_context``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
+import ctypes
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rotaryquant import assets, paths
-from rotaryquant.bindings.tools import binary
+from rotaryquant.errors import RQError, run_cli
 
 PROMPT = "The three most important inventions of the nineteenth century were"
 REPORT = "docs/results/REPORT.md"
 WIDTH = 96
+N_CTX = 1024
 
 
 @dataclass(frozen=True)
@@ -37,27 +39,81 @@ class Run:
     decode_tps: float
 
 
-def _perf(stderr: str, what: str) -> float:
-    """t/s of llama.cpp's perf line: "eval" (decode) or "prompt eval"."""
-    m = re.search(rf"(?<!prompt ){what} time =.*?([\d.]+) tokens per second", stderr)
-    return float(m.group(1)) if m else float("nan")
+@dataclass(frozen=True)
+class Completion:
+    text: str        # the continuation, with its own leading space
+    kv_bytes: int    # K and V caches as llama.cpp allocated them (llama_rq_get_memory: all caches of an iSWA model)
+    decode_tps: float  # decode tokens per second (llama_perf_context: t_eval_ms over n_eval)
 
 
-def kv_mib(stderr: str) -> float:
-    """The KV cache llama.cpp allocated (both caches of an iSWA model), from its own log."""
-    return sum(float(m) for m in re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", stderr))
+def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = "f16", ctv: str = "f16") -> Completion:
+    """One greedy completion in this process, through llama_cpp and the patched llama.cpp: a 1024-token context
+    with flash attention, ``-ctk ctk -ctv ctv`` and the default K centring (on for a calibrated model with a
+    quantised K cache). llama.cpp's log is kept off the terminal; its error lines say why when something fails."""
+    import llama_cpp as L
+
+    from rotaryquant import bindings
+    from rotaryquant.plan.accounting import captured_log, errors, memory
+
+    with captured_log() as log:
+        model_p = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
+        if not model_p:
+            raise RQError(f"llama.cpp cannot load {model}: {errors(log) or 'no reason given'}")
+        try:
+            cp = L.llama_context_default_params()
+            cp.n_ctx, cp.n_threads, cp.n_threads_batch = N_CTX, threads, threads
+            cp.type_k, cp.type_v = bindings.type_from_name(ctk), bindings.type_from_name(ctv)
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            cp.no_perf = False
+            bindings.apply(cp)
+            ctx = L.llama_init_from_model(model_p, cp)
+            if not ctx:
+                raise RQError(f"llama.cpp cannot make a {ctk}/{ctv} context for {model.name}: "
+                              f"{errors(log) or 'no reason given'}")
+            try:
+                text = _greedy(L, ctx, L.llama_model_get_vocab(model_p), prompt, n_predict, log)
+                mem = memory(ctx)
+                perf = L.llama_perf_context(ctx)
+            finally:
+                L.llama_free(ctx)
+        finally:
+            L.llama_model_free(model_p)
+    tps = 1e3 * perf.n_eval / perf.t_eval_ms if perf.n_eval and perf.t_eval_ms > 0 else float("nan")
+    return Completion(text, mem["kv_k"] + mem["kv_v"], tps)
 
 
-def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = "f16", ctv: str = "f16",
-             extra: tuple[str, ...] = ()) -> tuple[str, str]:
-    """One greedy completion with the patched llama-completion; returns (continuation, log)."""
-    cmd = [str(binary("llama-completion")), "-m", str(model), "-p", prompt, "-n", str(n_predict),
-           "--temp", "0", "--seed", "42", "-no-cnv", "-t", str(threads), "-c", "1024", "-fa", "on",
-           "-ctk", ctk, "-ctv", ctv, "--no-warmup", "--no-display-prompt", "-lv", "4", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"llama-completion failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return proc.stdout.rstrip(), proc.stderr
+def _greedy(L: Any, ctx: Any, vocab: Any, prompt: str, n_predict: int, log: list[str]) -> str:
+    """The prompt in one batch, then ``n_predict`` tokens one at a time, each the most likely (llama-completion
+    --temp 0); stops early at an end-of-generation token. Returns the continuation's text."""
+    from rotaryquant.plan.accounting import errors
+
+    data = prompt.encode()
+    toks = (L.llama_token * (len(data) + 8))()
+    n = L.llama_tokenize(vocab, data, len(data), toks, len(toks), True, True)
+    if n <= 0:
+        raise RQError(f"the prompt tokenises to nothing ({n})")
+    smpl = L.llama_sampler_init_greedy()
+    out = bytearray()
+    buf = ctypes.create_string_buffer(256)
+    try:
+        batch = L.llama_batch_get_one(toks, n)
+        for i in range(n_predict):
+            if L.llama_decode(ctx, batch) != 0:
+                raise RQError(f"llama_decode failed: {errors(log) or 'no reason given'}")
+            tok = L.llama_sampler_sample(smpl, ctx, -1)
+            if L.llama_vocab_is_eog(vocab, tok):
+                break
+            k = L.llama_token_to_piece(vocab, tok, buf, len(buf), 0, False)
+            if k < 0:  # the piece needs -k bytes
+                buf = ctypes.create_string_buffer(-k)
+                k = L.llama_token_to_piece(vocab, tok, buf, len(buf), 0, False)
+            out += buf.raw[:max(k, 0)]
+            if i + 1 < n_predict:
+                one = (L.llama_token * 1)(tok)
+                batch = L.llama_batch_get_one(one, 1)
+    finally:
+        L.llama_sampler_free(smpl)
+    return out.decode("utf-8", errors="replace").rstrip()
 
 
 def same_words(a: str, b: str) -> tuple[int, int]:
@@ -115,10 +171,10 @@ def weights_demo(prompt: str, threads: int, n_predict: int) -> None:
         res = convert(hf, out, Options(recipe=recipe, progress=False))
         n = res.n_weights or 1
         print(f"  rq-convert {hf.name} {out.name} --recipe {recipe}: {time.time() - t0:.1f} s")
-        text, log = complete(out, prompt, n_predict, threads)
+        c = complete(out, prompt, n_predict, threads)
         size = out.stat().st_size
-        runs.append(Run(label, text, f"{size / 2**20:.1f} MiB file, {size * 8 / n:.2f} bits/weight",
-                        _perf(log, "eval")))
+        runs.append(Run(label, c.text, f"{size / 2**20:.1f} MiB file, {size * 8 / n:.2f} bits/weight",
+                        c.decode_tps))
     show(prompt, runs)
 
 
@@ -139,12 +195,12 @@ def kv_demo(model: Path | None, prompt: str, threads: int, n_predict: int) -> No
                ("isoquant3_0", "isoquant3_0", "isoquant3_0 K and V, K calibrated (3.125 bits/value)"))
     runs = []
     for ctk, ctv, label in configs:
-        text, log = complete(model, prompt, n_predict, threads, ctk, ctv)
-        runs.append(Run(label, text, f"KV {kv_mib(log):.2f} MiB", _perf(log, "eval")))
+        c = complete(model, prompt, n_predict, threads, ctk, ctv)
+        runs.append(Run(label, c.text, f"KV {c.kv_bytes / 2**20:.2f} MiB", c.decode_tps))
     show(prompt, runs)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(prog="python -m rotaryquant.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None,
@@ -156,16 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-convert", action="store_true", help="only the KV-cache part")
     ns = ap.parse_args(argv)
     print(f"RotaryQuant demo: greedy, {ns.n_predict} tokens, {ns.threads} threads; each result beside its baseline")
-    try:
-        if not ns.skip_convert:
-            weights_demo(ns.prompt, ns.threads, ns.n_predict)
-        kv_demo(ns.model, ns.prompt, ns.threads, ns.n_predict)
-    except Exception as e:  # one line, not a traceback: this is the user's first command
-        print(f"rq-demo: error: {e}", file=sys.stderr)
-        return 1
+    if not ns.skip_convert:
+        weights_demo(ns.prompt, ns.threads, ns.n_predict)
+    kv_demo(ns.model, ns.prompt, ns.threads, ns.n_predict)
     print(f"\nMeasured quality and speed per type (perplexity, KLD, needle-in-a-haystack, decode t/s by depth): "
           f"{REPORT}\nPick types for your model and memory: .venv/bin/rq-plan MODEL --budget 8G --ctx 32768")
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-demo", _main, argv)
 
 
 if __name__ == "__main__":

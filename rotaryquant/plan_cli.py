@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from rotaryquant import plan as P
+from rotaryquant.errors import UsageError, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,42 +47,33 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.verify:
         from rotaryquant.eval import planverify
 
-        try:
-            return planverify.main_verify(args)
-        except (P.PlanError, planverify.VerifyError) as e:
-            print(f"rq-plan: error: {e}", file=sys.stderr)
-            return 1
+        return planverify.main_verify(args)
     if len(args.model) != 1 or not args.budget or not args.ctx:
         ap.print_usage(sys.stderr)
-        print("rq-plan: error: give one MODEL, --budget and --ctx (e.g. rq-plan model.gguf --budget 16G --ctx 32768)",
-              file=sys.stderr)
-        return 2
+        raise UsageError("give one MODEL, --budget and --ctx (e.g. rq-plan model.gguf --budget 16G --ctx 32768)")
+    budget = P.parse_size(args.budget)
+    kv = [s.strip() for s in args.kv.split(",") if s.strip()] if args.kv else None
     try:
-        budget = P.parse_size(args.budget)
-        kv = [s.strip() for s in args.kv.split(",") if s.strip()] if args.kv else None
         plan = P.make_plan(args.model[0], budget=budget, ctx=args.ctx, parallel=args.parallel, device=args.device,
                            deferred=args.deferred, recipes=args.recipe, kv=kv)
-    except P.NoFit as e:
+    except P.NoFit as e:  # the candidates, then run_cli's one-line error
         if args.json:
             print(P.to_json(e.plan))
         else:
             print(P.render(e.plan, top=args.top), file=sys.stderr)
-        print(f"rq-plan: error: {e}", file=sys.stderr)
-        return 1
-    except P.PlanError as e:
-        print(f"rq-plan: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("rq-plan: interrupted", file=sys.stderr)
-        return 130
+        raise
     print(P.to_json(plan) if args.json else P.render(plan, top=args.top))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("rq-plan", _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""`make demo`: the log parsing it prints from, and one real run of its KV part."""
+"""`make demo`: its in-process completion (figures from llama.cpp's API), its output, and one real run of
+its KV part."""
 
 from __future__ import annotations
 
@@ -10,21 +11,20 @@ import pytest
 
 from rotaryquant import demo
 
-LOG = """\
-llama_kv_cache: size =   18.00 MiB (  1024 cells,   3 layers,  1/1 seqs), K (f16):    9.00 MiB, V (f16):    9.00 MiB
-llama_kv_cache: size =    2.25 MiB (   512 cells,  15 layers,  1/1 seqs), K (f16):    1.12 MiB, V (f16):    1.12 MiB
-common_perf_print: prompt eval time =      60.70 ms /    11 tokens (    5.52 ms per token,   181.20 tokens per second)
-common_perf_print:        eval time =     320.08 ms /    23 runs   (   13.92 ms per token,    71.86 tokens per second)
-"""
 
+def test_completion_figures_come_from_llama_cpp_api(smollm2):
+    """In-process greedy run: KV bytes = llama_rq_get_memory's (layers x cells x K and V rows), speed from
+    llama_perf_context."""
+    import math
 
-def test_kv_mib_adds_both_caches_of_an_iswa_model():
-    assert demo.kv_mib(LOG) == pytest.approx(20.25)
-    assert demo.kv_mib("no cache here") == 0
+    from rotaryquant.bindings import row_size, type_from_name
 
-
-def test_decode_speed_is_the_eval_line_not_the_prompt_line():
-    assert demo._perf(LOG, "eval") == pytest.approx(71.86)
+    c = demo.complete(smollm2, demo.PROMPT, 4, 1, "q8_0", "f16")
+    assert c.text.startswith(" ") and len(c.text.split()) >= 1
+    want = 30 * demo.N_CTX * (row_size(type_from_name("q8_0"), 192) + row_size(type_from_name("f16"), 192))
+    assert c.kv_bytes == want                       # SmolLM2: 30 layers, 3 KV heads x 64
+    assert math.isfinite(c.decode_tps) and c.decode_tps > 0
+    assert demo.complete(smollm2, demo.PROMPT, 4, 1, "q8_0", "f16").text == c.text     # greedy: the same text
 
 
 def test_same_words_counts_the_common_prefix():
