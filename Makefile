@@ -20,7 +20,7 @@ test: setup
 test-fast: setup
 	$(VENV_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# the CPU paths other than build/cpu's AVX2 (README "Which CPU runs which code"): a ggml build with
+# the CPU paths other than build/cpu's AVX2 (docs/cpu-paths.md): a ggml build with
 # every x86 SIMD option off (build/scalar), and an AArch64 NEON build run under qemu (build/aarch64)
 # ruff with pyproject's rules (also a test in the suite: tests/test_lint.py)
 lint: setup

@@ -1,4 +1,4 @@
-"""Python glue to the patched llama.cpp: our type ids, ggml (de)quantisation, IsoQuant counters.
+"""Python glue to the patched llama.cpp: our type ids, ggml (de)quantisation, IsoQuant counters, per-context settings.
 
 ``llama_cpp`` itself is the user API (``llama_cpp.Llama(..., type_k=..., type_v=..., flash_attn=True)``);
 set-up installs it on top of our build, so nothing here replaces it.
@@ -11,28 +11,24 @@ from rotaryquant.bindings.ggml import (
     RQTypeError,
     counters,
     dequantize,
-    iso_unfused,
     iso_variant,
-    k_center,
-    kv_deferred,
     lib_dir,
     quantize,
     reset_counters,
     row_size,
     rq_version,
     set_iso_skip_inverse,
-    set_iso_unfused,
     set_iso_variant,
-    set_k_center,
-    set_kv_deferred,
     type_from_name,
     type_name,
     type_names,
 )
+from rotaryquant.bindings.context import KV_STATS, apply, kv_stats, llama_kwargs, unhooked_archs
 from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
-    "COUNTERS", "ISO_TYPES", "GGMLType", "RQTypeError", "bin_dir", "binary", "counters", "dequantize", "iso_unfused",
-    "iso_variant", "k_center", "kv_deferred", "lib_dir", "quantize", "reset_counters", "row_size", "rq_version", "set_iso_skip_inverse",
-    "set_iso_unfused", "set_iso_variant", "set_k_center", "set_kv_deferred", "type_from_name", "type_name", "type_names",
+    "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",
+    "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters", "row_size",
+    "rq_version", "set_iso_skip_inverse", "set_iso_variant", "type_from_name", "type_name", "type_names",
+    "unhooked_archs",
 ]

@@ -11,12 +11,15 @@ import ctypes
 import functools
 from enum import IntEnum
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
+from rotaryquant.errors import MissingBuildError, RQError
 
-class RQTypeError(ValueError):
-    """An unknown ggml type name."""
+
+class RQTypeError(RQError, ValueError):
+    """An unknown ggml type name (a ValueError too: callers that parse types catch that)."""
 
 
 class GGMLType(IntEnum):
@@ -44,42 +47,47 @@ class GGMLType(IntEnum):
     ISOQUANT4_64 = 246
 
 
-COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows",  # both IsoQuant types
-            "kv_deferred_cells", "kv_deferred_conversions", "kv_deferred_bytes", "kv_deferred_peak_bytes")
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")  # all IsoQuant types
 ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
 
+def load_llama_cpp() -> ModuleType:
+    """The llama_cpp package set-up installs over our build; MissingBuildError when it cannot be loaded."""
+    try:
+        import llama_cpp  # loads libllama and, through it, libggml*
+    except (ImportError, OSError, RuntimeError) as e:  # not installed, or its shared libraries missing
+        raise MissingBuildError(f"the patched llama_cpp cannot be loaded ({type(e).__name__}: {e})") from e
+    return llama_cpp
+
+
 def lib_dir() -> Path:
     """The folder llama_cpp loads its shared libraries from."""
-    import llama_cpp  # noqa: F401  (loads libllama and, through it, libggml*)
-
-    return Path(llama_cpp.__file__).resolve().parent / "lib"
+    return Path(load_llama_cpp().__file__).resolve().parent / "lib"
 
 
 @functools.cache
 def _ggml() -> ctypes.CDLL:
     lib = lib_dir()
-    # libggml.so pulls in libggml-base and libggml-cpu (ggml_quantize_chunk & co. live in ggml-base)
-    base = ctypes.CDLL(str(lib / "libggml-base.so"))
-    ctypes.CDLL(str(lib / "libggml-cpu.so"))
+    try:
+        # libggml.so pulls in libggml-base and libggml-cpu (ggml_quantize_chunk & co. live in ggml-base)
+        base = ctypes.CDLL(str(lib / "libggml-base.so"))
+        ctypes.CDLL(str(lib / "libggml-cpu.so"))
+    except OSError as e:
+        raise MissingBuildError(f"the patched ggml libraries cannot be loaded from {lib} ({e})") from e
     if not hasattr(base, "ggml_rq_version"):
-        raise RuntimeError(f"{lib}/libggml-base.so is not the RotaryQuant build (no ggml_rq_version); "
-                           "re-run `make setup`")
+        raise MissingBuildError(f"{lib}/libggml-base.so is not the RotaryQuant build (no ggml_rq_version)")
     base.ggml_rq_version.restype = ctypes.c_int
     base.ggml_rq_counter_get.restype = ctypes.c_uint64
     base.ggml_rq_counter_get.argtypes = [ctypes.c_int]
     base.ggml_rq_counter_name.restype = ctypes.c_char_p
     base.ggml_rq_counter_name.argtypes = [ctypes.c_int]
     base.ggml_rq_counters_reset.restype = None
-    base.ggml_rq_set_iso_unfused.argtypes = [ctypes.c_bool]
-    base.ggml_rq_get_iso_unfused.restype = ctypes.c_bool
     base.ggml_rq_iso_set_variant.argtypes = [ctypes.c_int]
     base.ggml_rq_iso_get_variant.restype = ctypes.c_int
     base.ggml_rq_iso_set_skip_inverse.argtypes = [ctypes.c_bool]
-    if hasattr(base, "ggml_rq_get_kv_deferred"):  # GGML_RQ_VERSION >= 3
-        base.ggml_rq_set_kv_deferred.argtypes = [ctypes.c_int64]
-        base.ggml_rq_get_kv_deferred.restype = ctypes.c_int64
+    base.ggml_rq_tensor_offset.restype = ctypes.c_size_t
+    base.ggml_rq_tensor_offset.argtypes = [ctypes.c_char_p]
     base.ggml_type_name.restype = ctypes.c_char_p
     base.ggml_type_name.argtypes = [ctypes.c_int]
     base.ggml_blck_size.restype = ctypes.c_int64
@@ -115,9 +123,7 @@ def type_from_name(name: str) -> int:
 
 @functools.cache
 def _type_count() -> int:
-    import llama_cpp
-
-    return int(llama_cpp.GGML_TYPE_COUNT)
+    return int(load_llama_cpp().GGML_TYPE_COUNT)
 
 
 @functools.cache
@@ -186,7 +192,7 @@ def quantize_itq3_s_xtx(x: np.ndarray, xtx: np.ndarray | None) -> np.ndarray:
         ptr = xtx.ctypes.data
     lib = _ggml()
     if not hasattr(lib, "ggml_rq_quantize_itq3_s_xtx"):
-        raise RuntimeError("this libggml-base has no ggml_rq_quantize_itq3_s_xtx; re-run `make setup`")
+        raise MissingBuildError("this libggml-base has no ggml_rq_quantize_itq3_s_xtx (an older build)")
     out = np.empty((nrows, row_size(GGMLType.ITQ3_S, n)), dtype=np.uint8)
     done = lib.ggml_rq_quantize_itq3_s_xtx(x.ctypes.data, out.ctypes.data, nrows, n, ptr)
     assert done == out.nbytes
@@ -226,50 +232,13 @@ def dequantize(q: np.ndarray, t: int, n_per_row: int) -> np.ndarray:
 # --- counters and switches ------------------------------------------------------------------
 
 def counters() -> dict[str, int]:
-    """Process-wide IsoQuant counters (see ggml-rq.h)."""
+    """Process-wide IsoQuant kernel counters (ggml-rq.h); a context's deferred-prefill ones: context.kv_stats."""
     lib = _ggml()
     return {COUNTERS[i]: int(lib.ggml_rq_counter_get(i)) for i in range(len(COUNTERS))}
 
 
 def reset_counters() -> None:
     _ggml().ggml_rq_counters_reset()
-
-
-def set_iso_unfused(unfused: bool) -> None:
-    """Unfused IsoQuant attention for contexts created from now on (K/V cast to F16 first)."""
-    _ggml().ggml_rq_set_iso_unfused(bool(unfused))
-
-
-def iso_unfused() -> bool:
-    return bool(_ggml().ggml_rq_get_iso_unfused())
-
-
-K_CENTER_MODES = ("off", "auto", "force")
-
-
-def set_k_center(mode: str) -> None:
-    """K centring for KV caches created from now on: off, auto (calibrated model + quantised K; the
-    default) or force (also F16/F32 K: the exactness check)."""
-    if mode not in K_CENTER_MODES:
-        raise ValueError(f"unknown K-centring mode {mode!r}; choose from {', '.join(K_CENTER_MODES)}")
-    _ggml().ggml_rq_set_k_center(K_CENTER_MODES.index(mode))
-
-
-def k_center() -> str:
-    return K_CENTER_MODES[int(_ggml().ggml_rq_get_k_center())]
-
-
-def set_kv_deferred(on: bool, budget: int | None = None) -> None:
-    """Deferred prefill for KV caches created from now on: prompts attend to an exact F16 transient
-    until their sequence decodes. budget: transient cells (None: the whole context)."""
-    if budget is not None and budget < 2:
-        raise ValueError(f"deferred-prefill budget {budget} is too small: give at least 2 cells, or None")
-    _ggml().ggml_rq_set_kv_deferred(ctypes.c_int64(0 if not on else -1 if budget is None else int(budget)))
-
-
-def kv_deferred() -> int:
-    """0: off; -1: on with the whole context as budget; N: on with N cells."""
-    return int(_ggml().ggml_rq_get_kv_deferred())
 
 
 def set_iso_variant(variant: str) -> None:

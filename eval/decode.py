@@ -1,7 +1,7 @@
 """Decode-time KV quality: what a compressed cache costs while the model generates.
 
-llama-perplexity scores every token as prefill. With deferred prefill (LLAMA_KV_DEFERRED=1,
-``bindings.set_kv_deferred``) a prompt attends to an exact F16 copy of its own K/V and only the first
+llama-perplexity scores every token as prefill. With deferred prefill (``--kv-deferred``,
+``Llama(kv_deferred=True)``) a prompt attends to an exact F16 copy of its own K/V and only the first
 single-token step switches to the quantised cache, so perplexity runs never see the compression. Here
 each run prefills N tokens of text (batched, as a prompt), then feeds the next M tokens of the same
 text one ``llama_decode`` call each (teacher forced: the true token, not a sampled one) and keeps the
@@ -12,20 +12,21 @@ and tokens: KLD per step, same top-1, and the perplexity of those M+1 tokens und
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from rotaryquant.eval import kvtypes, logits
+from rotaryquant import kvtypes
+from rotaryquant.errors import RQError
+from rotaryquant.eval import logits
 
 BASELINE = "f16"
 N_BATCH = 512  # prompt tokens per llama_decode call (and per ubatch)
 
 
-class DecodeError(RuntimeError):
+class DecodeError(RQError):
     """Bad arguments (text too short, context too large, unknown cache type, ...) or a run that failed."""
 
 
@@ -76,44 +77,13 @@ def prefill_chunks(n: int, n_batch: int = N_BATCH) -> list[int]:
     return sizes
 
 
-# --- switches -----------------------------------------------------------------------------------
+# --- settings -----------------------------------------------------------------------------------
 
 def deferred_supported() -> bool:
-    """Whether the loaded ggml has the deferred-prefill switch (GGML_RQ_VERSION >= 3)."""
-    from rotaryquant.bindings import ggml
+    """Whether the installed llama_cpp has the per-context deferred-prefill setting (llama_context_params)."""
+    import llama_cpp
 
-    try:
-        ggml.kv_deferred()
-    except AttributeError:
-        return False
-    return True
-
-
-def _set_deferred(on: bool, budget: int | None = None) -> None:
-    from rotaryquant.bindings import ggml
-
-    if deferred_supported():
-        ggml.set_kv_deferred(on, budget)
-    elif on:
-        raise DecodeError("deferred prefill is not in this build (libggml-base has no ggml_rq_set_kv_deferred); "
-                          "use --deferred off")
-
-
-@contextlib.contextmanager
-def _switches(*, deferred: bool, k_center: bool):
-    """The process-wide switches a new context reads (deferred prefill, K centring), restored after."""
-    from rotaryquant import bindings
-
-    prior_center = bindings.k_center()
-    prior_deferred = bindings.ggml.kv_deferred() if deferred_supported() else None
-    _set_deferred(deferred)
-    bindings.set_k_center("auto" if k_center else "off")
-    try:
-        yield
-    finally:
-        bindings.set_k_center(prior_center)
-        if prior_deferred is not None:  # 0: off, -1: the whole context, N: N cells
-            _set_deferred(prior_deferred != 0, prior_deferred if prior_deferred > 1 else None)
+    return any(f[0] == "kv_deferred" for f in llama_cpp.llama_context_params._fields_)
 
 
 # --- runs ---------------------------------------------------------------------------------------
@@ -158,10 +128,11 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
     tk, tv = (bindings.type_from_name(t) for t in kvtypes.split(cache))
     n_ctx = -(-(n + m) // 256) * 256
     try:
-        with _switches(deferred=deferred, k_center=kvtypes.k_center(cache)):
-            llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
-                                  n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
-                                  type_v=tv, logits_all=False, verbose=False)
+        llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
+                              n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
+                              type_v=tv, logits_all=False, verbose=False,
+                              **bindings.llama_kwargs(k_center="auto" if kvtypes.k_center(cache) else "off",
+                                                      deferred=deferred))
     except (ValueError, RuntimeError) as e:
         hint = " (IsoQuant types need head size 64 or a multiple of 128)" if kvtypes.uses_iso(cache) else ""
         raise DecodeError(f"cannot create a {n_ctx}-token context with cache {cache} for {model.name}: "
@@ -173,9 +144,6 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
         def last_logits(i: int) -> None:
             out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
 
-        has_counters = deferred_supported()
-        if has_counters:
-            bindings.reset_counters()
         t0 = time.perf_counter()
         done = 0
         for size in prefill_chunks(n):
@@ -189,9 +157,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
             llm.eval([tok])
             decode_s += time.perf_counter() - t0
             last_logits(i)
-        counters = None
-        if has_counters:
-            counters = {k: v for k, v in bindings.counters().items() if k.startswith("kv_deferred")}
+        counters = bindings.kv_stats(llm)  # this context's deferred-prefill counters
     finally:
         llm.close()
     return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters}
@@ -209,7 +175,8 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     for spec in cache_types:
         kvtypes.validate(spec)
     if any(deferred) and any(c != BASELINE for c in cache_types) and not deferred_supported():
-        _set_deferred(True)  # raises, naming the fix
+        raise DecodeError("deferred prefill is not in this build (llama_context_params has no kv_deferred)",
+                          fix="re-run `make setup`, or use --deferred off")
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
     rows = []
     t_start = time.time()

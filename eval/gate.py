@@ -54,19 +54,14 @@ def run(model: Path, *, cache_type: str = "f16", unfused: bool = False, max_toke
         threads: int = 2, spec_path: Path | None = None, progress=print) -> dict:
     import llama_cpp
 
-    from rotaryquant import bindings
-    from rotaryquant.eval import kvtypes
+    from rotaryquant import bindings, kvtypes
 
     spec = load_spec(spec_path)
     n = max_tokens or spec["max_tokens"]
     tk, tv = (bindings.type_from_name(x) for x in kvtypes.split(cache_type))
-    was = bindings.iso_unfused()
-    bindings.set_iso_unfused(unfused)
-    try:
-        llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=threads, seed=42, verbose=False,
-                              flash_attn=True, type_k=tk, type_v=tv, k_center=kvtypes.k_center(cache_type))
-    finally:
-        bindings.set_iso_unfused(was)
+    llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=threads, seed=42, verbose=False,
+                          flash_attn=True, type_k=tk, type_v=tv, k_center=kvtypes.k_center(cache_type),
+                          iso_unfused=unfused)
     checks = []
     for item in spec["prompts"]:
         progress(f"[rq-eval gate] {cache_type}{'-unfused' if unfused else ''}: {item['id']}")

@@ -15,7 +15,9 @@ import sys
 import time
 from pathlib import Path
 
-from rotaryquant.eval import kvbench, kvtypes
+from rotaryquant import kvtypes
+from rotaryquant.errors import RQError
+from rotaryquant.eval import kvbench
 
 
 def eq12_bytes(model: Path, n_tokens: int) -> int:
@@ -28,27 +30,26 @@ def _child(model: str, cache: str, n_tokens: int, deferred: bool, threads: int) 
     import llama_cpp
 
     from rotaryquant import bindings
-    from rotaryquant.eval import data
+    from rotaryquant import data
     from rotaryquant.eval.serve import proc_status_mib
 
     llama_cpp._logger.set_verbose(False)
-    bindings.set_kv_deferred(deferred)
-    bindings.set_k_center("auto" if kvtypes.k_center(cache) else "off")
     tk, tv = (bindings.type_from_name(t) for t in kvtypes.split(cache))
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_tokens + 256, n_batch=512, n_ubatch=512, n_threads=threads,
-                          type_k=tk, type_v=tv, flash_attn=True, verbose=False)
+                          type_k=tk, type_v=tv, flash_attn=True, verbose=False, kv_deferred=deferred,
+                          k_center=kvtypes.k_center(cache))
     ids = llm.tokenize(data.evaluation_text().read_bytes()[: n_tokens * 8])[:n_tokens]
     if len(ids) < n_tokens:
         raise ValueError(f"the evaluation text has only {len(ids)} tokens, fewer than {n_tokens}")
     rss = {"context": proc_status_mib(os.getpid())["VmRSS"]}
     llm.eval(ids)
     rss["prompt"] = proc_status_mib(os.getpid())["VmRSS"]
-    c = bindings.counters()
+    c = bindings.kv_stats(llm)
     llm.eval([ids[0]])  # the first decode step gives the transient back
     st = proc_status_mib(os.getpid())
     rss["decode"], rss["peak"] = st["VmRSS"], st["VmHWM"]
     return {"rss_mib": rss, "counter_peak_bytes": c["kv_deferred_peak_bytes"],
-            "counter_bytes_after": bindings.counters()["kv_deferred_bytes"]}
+            "counter_bytes_after": bindings.kv_stats(llm)["kv_deferred_bytes"]}
 
 
 def measure(model: Path, cache: str, n_tokens: int, deferred: bool, threads: int = 2, timeout: float = 1800) -> dict:
@@ -56,7 +57,7 @@ def measure(model: Path, cache: str, n_tokens: int, deferred: bool, threads: int
             f"print(json.dumps(kvmemory._child({str(model)!r}, {cache!r}, {n_tokens}, {deferred}, {threads})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"memory run failed ({cache}, {n_tokens} tokens, deferred={deferred}): {proc.stderr[-1500:]}")
+        raise RQError(f"memory run failed ({cache}, {n_tokens} tokens, deferred={deferred}): {proc.stderr[-1500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

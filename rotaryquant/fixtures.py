@@ -1,8 +1,8 @@
 """Hugging Face folders made locally, for the tests, ``make demo``, the converter benchmark and
 ``rq-plan --verify``: the packaged SmolLM2 GGUF turned back into an HF folder, a tiny random-weight
 Qwen2-MoE folder with a shared expert, and tiny folders of other llama-like architectures (no model
-hub is reachable here; see /work/shared/docs/models.md). Not part of the converter: it imports the
-converter's dtype helpers, never the other way round.
+hub is reachable; the real models are the packaged ones that ``rotaryquant.assets`` fetches). Not part
+of the converter: it imports the converter's dtype helpers, never the other way round.
 
 numpy + ``tokenizers`` only (no torch): tensors are dequantised with gguf-py, llama.cpp's Q/K row
 permutation is undone, names are mapped back to transformers' ``LlamaForCausalLM`` names, and the

@@ -1,7 +1,7 @@
 #pragma once
 
 // RotaryQuant additions to ggml: the ISOQUANT3_0/ISOQUANT4_0 KV-cache types, the ITQ3_S weight type,
-// process-wide counters that show which attention path ran, and research switches.
+// counters that show which attention path ran, and research switches.
 // Lives in this repo (ggml-patches/include) and is linked into ggml/include by the build.
 
 #include "ggml.h"
@@ -14,9 +14,11 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 5   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
+#define GGML_RQ_VERSION 6   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
                             // 4: the 64-wide types ISOQUANT3_64/ISOQUANT4_64 (ISOQ_Q64), *_qk rotation/codebook;
-                            // 5: ggml_rq_quantize_itq3_s_xtx (ITQ3_S LDLQ with calibration statistics)
+                            // 5: ggml_rq_quantize_itq3_s_xtx (ITQ3_S LDLQ with calibration statistics);
+                            // 6: the unfused/K-centring/deferred switches and their counters moved to llama's
+                            //    context params; ggml_rq_tensor_offset
 
 GGML_API int ggml_rq_version(void);
 
@@ -50,54 +52,32 @@ static inline enum ggml_type ggml_rq_iso_type(int bits, int qk) {
     return GGML_TYPE_COUNT;
 }
 
-// counters (relaxed atomics, process-wide); "IsoQuant" = all four IsoQuant types together
+// counters (relaxed atomics, process-wide: they count what the kernels did, whoever ran them; llama's per-context
+// figures are llama_rq_get_kv_stats); "IsoQuant" = all four IsoQuant types together
 enum ggml_rq_counter {
     GGML_RQ_ISO_DEQUANT_ROWS = 0, // IsoQuant blocks (128 or 64 values) turned back into floats, by anyone
     GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read IsoQuant K/V in the rotated domain
     GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
     GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
-    GGML_RQ_KV_DEFERRED_CELLS,    // deferred prefill: prompt cells whose F16 transient copy was released
-    GGML_RQ_KV_DEFERRED_CONVERSIONS, // deferred prefill: sequences switched from the transient to the cache
-    GGML_RQ_KV_DEFERRED_BYTES,    // deferred prefill: transient bytes in use now (a gauge)
-    GGML_RQ_KV_DEFERRED_PEAK,     // deferred prefill: the most transient bytes in use at once
     GGML_RQ_COUNTER_COUNT,
 };
 
 GGML_API uint64_t     ggml_rq_counter_get (enum ggml_rq_counter c);
 GGML_API void         ggml_rq_counter_add (enum ggml_rq_counter c, uint64_t n);
-GGML_API void         ggml_rq_counter_set (enum ggml_rq_counter c, uint64_t v); // gauges
-GGML_API void         ggml_rq_counter_max (enum ggml_rq_counter c, uint64_t v); // peaks
 GGML_API void         ggml_rq_counters_reset(void);
 GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
 
-// unfused IsoQuant attention: cast IsoQuant K/V to F16 before flash attention
-// (reconstruct-then-compute, the baseline the paper compares against). Read by llama at context
-// creation; also set by the environment variable LLAMA_ISOQUANT_UNFUSED=1.
-GGML_API void ggml_rq_set_iso_unfused(bool unfused);
-GGML_API bool ggml_rq_get_iso_unfused(void);
+// struct ggml_tensor as this library was compiled: offsetof(struct ggml_tensor, <field>) for a field name, its
+// sizeof for "sizeof", SIZE_MAX for an unknown name. ctypes mirrors (rotaryquant.bindings.capture) check theirs
+// against it, so that a change of the struct upstream fails loudly instead of reading the wrong bytes.
+GGML_API size_t ggml_rq_tensor_offset(const char * field);
 
-// K centring / Q-K rebalancing (rotaryquant.k_center.* in the GGUF, written by rq-calibrate): keys are
-// cached as (k - mu)/lam and queries multiplied by lam, which leaves softmax(q.k) unchanged. Read by
-// llama when a KV cache is created. 0: off; 1: on when the model is calibrated and the K cache is
-// quantised (default); 2: also for F16/F32 K caches (exactness tests). Env: LLAMA_K_CENTER=0|1|force.
-enum ggml_rq_k_center {
-    GGML_RQ_K_CENTER_OFF   = 0,
-    GGML_RQ_K_CENTER_AUTO  = 1,
-    GGML_RQ_K_CENTER_FORCE = 2,
-};
-GGML_API void                  ggml_rq_set_k_center(enum ggml_rq_k_center mode);
-GGML_API enum ggml_rq_k_center ggml_rq_get_k_center(void);
+// The unfused path, K centring and deferred prefill are settings of a llama context (llama_context_params:
+// iso_unfused, k_center, kv_deferred), not of this library.
 
-// deferred prefill: while a sequence processes its prompt, its K/V rows are also kept in an F16
-// transient and its prompt attends to those exact rows; its first single-token step (decode) releases
-// them, and from then on it reads the quantised cache alone. Budget in cells (0: off, -1: the whole
-// context). Read by llama when a KV cache is created. Env: LLAMA_KV_DEFERRED=0|1|<cells>.
-GGML_API void    ggml_rq_set_kv_deferred(int64_t budget);
-GGML_API int64_t ggml_rq_get_kv_deferred(void);
-
-// research switches (ablations of the paper's Table 8; not user options). The variant changes the
-// packed format: quantise and attend with the same setting. Env: GGML_ISOQUANT_VARIANT=v3|v2|v1|none,
-// GGML_ISOQUANT_SKIP_INVERSE=1.
+// research switches (ablations of the paper's Table 8; not user options), process-wide because the variant changes
+// the packed format: quantise and attend with the same setting. This library reads no environment: llama.cpp's
+// tools map GGML_ISOQUANT_VARIANT=v3|v2|v1|none and GGML_ISOQUANT_SKIP_INVERSE=1 onto these (common).
 enum ggml_rq_iso_variant {
     GGML_RQ_ISO_V3   = 0, // WHT-128 then SO(4) blocks (q_L v conj(q_R)) - the type as designed
     GGML_RQ_ISO_V2   = 1, // SO(4) blocks only, no WHT

@@ -22,7 +22,8 @@
 
 #include <math.h>
 #include <stdatomic.h>
-#include <stdlib.h>
+#include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 int ggml_rq_version(void) {
@@ -39,10 +40,6 @@ static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
     [GGML_RQ_ISO_FUSED_CALLS]    = "iso_fused_calls",
     [GGML_RQ_ISO_FALLBACK_CALLS] = "iso_fallback_calls",
     [GGML_RQ_ISO_QUANT_ROWS]     = "iso_quant_rows",
-    [GGML_RQ_KV_DEFERRED_CELLS]  = "kv_deferred_cells",
-    [GGML_RQ_KV_DEFERRED_CONVERSIONS] = "kv_deferred_conversions",
-    [GGML_RQ_KV_DEFERRED_BYTES]  = "kv_deferred_bytes",
-    [GGML_RQ_KV_DEFERRED_PEAK]   = "kv_deferred_peak_bytes",
 };
 
 uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
@@ -52,21 +49,6 @@ uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
 void ggml_rq_counter_add(enum ggml_rq_counter c, uint64_t n) {
     if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
         atomic_fetch_add_explicit(&rq_counters[c], n, memory_order_relaxed);
-    }
-}
-
-void ggml_rq_counter_set(enum ggml_rq_counter c, uint64_t v) {
-    if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
-        atomic_store_explicit(&rq_counters[c], v, memory_order_relaxed);
-    }
-}
-
-void ggml_rq_counter_max(enum ggml_rq_counter c, uint64_t v) {
-    if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
-        uint64_t cur = atomic_load_explicit(&rq_counters[c], memory_order_relaxed);
-        while (cur < v && !atomic_compare_exchange_weak_explicit(&rq_counters[c], &cur, v,
-                    memory_order_relaxed, memory_order_relaxed)) {
-        }
     }
 }
 
@@ -80,84 +62,27 @@ const char * ggml_rq_counter_name(enum ggml_rq_counter c) {
     return (unsigned) c < GGML_RQ_COUNTER_COUNT ? rq_counter_names[c] : NULL;
 }
 
-// -1: not yet read from the environment
-static _Atomic int rq_iso_unfused = -1;
-static _Atomic int rq_iso_variant = -1;
-static _Atomic int rq_iso_skip_inv = -1;
-
-static int rq_env_flag(const char * name) {
-    const char * v = getenv(name);
-    return v && *v && strcmp(v, "0") != 0;
-}
-
-void ggml_rq_set_iso_unfused(bool unfused) { atomic_store(&rq_iso_unfused, unfused ? 1 : 0); }
-
-bool ggml_rq_get_iso_unfused(void) {
-    int v = atomic_load(&rq_iso_unfused);
-    if (v < 0) {
-        v = rq_env_flag("LLAMA_ISOQUANT_UNFUSED");
-        atomic_store(&rq_iso_unfused, v);
+size_t ggml_rq_tensor_offset(const char * field) {
+#define RQ_FIELD(f) { #f, offsetof(struct ggml_tensor, f) }
+    static const struct { const char * name; size_t off; } fields[] = {
+        RQ_FIELD(type), RQ_FIELD(buffer), RQ_FIELD(ne), RQ_FIELD(nb), RQ_FIELD(op), RQ_FIELD(op_params),
+        RQ_FIELD(flags), RQ_FIELD(src), RQ_FIELD(view_src), RQ_FIELD(view_offs), RQ_FIELD(data), RQ_FIELD(name),
+        RQ_FIELD(extra), RQ_FIELD(padding),
+    };
+#undef RQ_FIELD
+    if (strcmp(field, "sizeof") == 0) {
+        return sizeof(struct ggml_tensor);
     }
-    return v != 0;
-}
-
-static _Atomic int rq_k_center = -1;
-
-void ggml_rq_set_k_center(enum ggml_rq_k_center mode) {
-    GGML_ASSERT((unsigned) mode <= GGML_RQ_K_CENTER_FORCE);
-    atomic_store(&rq_k_center, (int) mode);
-}
-
-enum ggml_rq_k_center ggml_rq_get_k_center(void) {
-    int v = atomic_load(&rq_k_center);
-    if (v < 0) {
-        const char * e = getenv("LLAMA_K_CENTER");
-        v = GGML_RQ_K_CENTER_AUTO;
-        if (e && *e) {
-            if      (strcmp(e, "0") == 0 || strcmp(e, "off") == 0)   v = GGML_RQ_K_CENTER_OFF;
-            else if (strcmp(e, "1") == 0 || strcmp(e, "on") == 0)    v = GGML_RQ_K_CENTER_AUTO;
-            else if (strcmp(e, "2") == 0 || strcmp(e, "force") == 0) v = GGML_RQ_K_CENTER_FORCE;
-            else {
-                GGML_LOG_ERROR("%s: LLAMA_K_CENTER=%s is not one of 0, 1, force\n", __func__, e);
-                GGML_ABORT("invalid LLAMA_K_CENTER");
-            }
+    for (size_t i = 0; i < sizeof(fields)/sizeof(fields[0]); ++i) {
+        if (strcmp(field, fields[i].name) == 0) {
+            return fields[i].off;
         }
-        atomic_store(&rq_k_center, v);
     }
-    return (enum ggml_rq_k_center) v;
+    return SIZE_MAX;
 }
 
-// INT64_MIN: not yet read from the environment
-static _Atomic int64_t rq_kv_deferred = INT64_MIN;
-
-void ggml_rq_set_kv_deferred(int64_t budget) {
-    GGML_ASSERT(budget >= -1);
-    atomic_store(&rq_kv_deferred, budget);
-}
-
-int64_t ggml_rq_get_kv_deferred(void) {
-    int64_t v = atomic_load(&rq_kv_deferred);
-    if (v == INT64_MIN) {
-        const char * e = getenv("LLAMA_KV_DEFERRED");
-        v = 0;
-        if (e && *e) {
-            char * end = NULL;
-            const long long n = strtoll(e, &end, 10);
-            if (strcmp(e, "on") == 0 || n == 1) {
-                v = -1;
-            } else if (strcmp(e, "off") == 0 || (*end == '\0' && n == 0)) {
-                v = 0;
-            } else if (*end == '\0' && n > 1) {
-                v = n;
-            } else {
-                GGML_LOG_ERROR("%s: LLAMA_KV_DEFERRED=%s is not 0, 1 or a budget in cells (> 1)\n", __func__, e);
-                GGML_ABORT("invalid LLAMA_KV_DEFERRED");
-            }
-        }
-        atomic_store(&rq_kv_deferred, v);
-    }
-    return v;
-}
+static _Atomic int rq_iso_variant  = GGML_RQ_ISO_V3;
+static _Atomic int rq_iso_skip_inv = 0;
 
 void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
     GGML_ASSERT((unsigned) v <= GGML_RQ_ISO_NONE);
@@ -165,34 +90,13 @@ void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
 }
 
 enum ggml_rq_iso_variant ggml_rq_iso_get_variant(void) {
-    int v = atomic_load_explicit(&rq_iso_variant, memory_order_relaxed);
-    if (v < 0) {
-        const char * e = getenv("GGML_ISOQUANT_VARIANT");
-        v = GGML_RQ_ISO_V3;
-        if (e && *e) {
-            if      (strcmp(e, "v3")   == 0) v = GGML_RQ_ISO_V3;
-            else if (strcmp(e, "v2")   == 0) v = GGML_RQ_ISO_V2;
-            else if (strcmp(e, "v1")   == 0) v = GGML_RQ_ISO_V1;
-            else if (strcmp(e, "none") == 0) v = GGML_RQ_ISO_NONE;
-            else {
-                GGML_LOG_ERROR("%s: GGML_ISOQUANT_VARIANT=%s is not one of v3, v2, v1, none\n", __func__, e);
-                GGML_ABORT("invalid GGML_ISOQUANT_VARIANT");
-            }
-        }
-        atomic_store(&rq_iso_variant, v);
-    }
-    return (enum ggml_rq_iso_variant) v;
+    return (enum ggml_rq_iso_variant) atomic_load_explicit(&rq_iso_variant, memory_order_relaxed);
 }
 
 void ggml_rq_iso_set_skip_inverse(bool skip) { atomic_store(&rq_iso_skip_inv, skip ? 1 : 0); }
 
 bool ggml_rq_iso_get_skip_inverse(void) {
-    int v = atomic_load_explicit(&rq_iso_skip_inv, memory_order_relaxed);
-    if (v < 0) {
-        v = rq_env_flag("GGML_ISOQUANT_SKIP_INVERSE");
-        atomic_store(&rq_iso_skip_inv, v);
-    }
-    return v != 0;
+    return atomic_load_explicit(&rq_iso_skip_inv, memory_order_relaxed) != 0;
 }
 
 const float * ggml_rq_iso_codebook(void) {

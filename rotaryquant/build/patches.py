@@ -68,6 +68,13 @@ def apply_series(root: Path, patches: list[Path], lock: Lock) -> None:
                              "pinned tree, see CONTRIBUTING.md")
 
 
+def format_series(root: Path, out: Path) -> list[Path]:
+    """The tree's commits since ``pristine`` as patch files in out (what `make patches` writes), in order."""
+    git(root, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-numbered",
+        "--full-index", "-o", str(out), "pristine..HEAD", what="git format-patch")
+    return sorted(out.glob("*.patch"))
+
+
 def export_patches() -> None:
     """The tree's commits since ``pristine`` -> ggml-patches/*.patch (the series is replaced)."""
     root = paths.src_root()
@@ -81,9 +88,7 @@ def export_patches() -> None:
     if untracked:
         log("note: untracked files in the tree are not exported:\n" + untracked)
     with tempfile.TemporaryDirectory() as tmp:
-        git(root, "format-patch", "-q", "--zero-commit", "--no-signature", "--no-numbered",
-            "--full-index", "-o", tmp, "pristine..HEAD", what="git format-patch")
-        new = sorted(Path(tmp).glob("*.patch"))
+        new = format_series(root, Path(tmp))
         for old in patch_series():
             old.unlink()
         for p in new:

@@ -13,6 +13,7 @@ from rotaryquant.build.common import PATCH_DIR, git
 LINKS = {
     "vendor/llama.cpp/ggml/src/ggml-rq": PATCH_DIR / "src",
     "vendor/llama.cpp/ggml/include/ggml-rq.h": PATCH_DIR / "include" / "ggml-rq.h",
+    "vendor/llama.cpp/src/llama-rq": PATCH_DIR / "src" / "llama",
 }
 
 

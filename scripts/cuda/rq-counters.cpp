@@ -53,9 +53,8 @@ static void print_delta(const char * mode, const char * phase, const snap & a, c
 
 // one context, prompt then decode steps; true when the decode steps took the expected path
 static bool run(llama_model * model, bool unfused, int n_prompt, int n_gen) {
-    ggml_rq_set_iso_unfused(unfused);
-
     llama_context_params cp = llama_context_default_params();
+    cp.iso_unfused     = unfused;
     cp.n_ctx           = n_prompt + n_gen + 64;
     cp.n_batch         = n_prompt;
     cp.n_ubatch        = n_prompt;

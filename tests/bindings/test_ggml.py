@@ -90,7 +90,28 @@ def test_switches_round_trip():
         bindings.set_iso_variant("v3")
     with pytest.raises(ValueError, match="unknown IsoQuant variant"):
         bindings.set_iso_variant("v9")
-    was = bindings.iso_unfused()
-    bindings.set_iso_unfused(True)
-    assert bindings.iso_unfused()
-    bindings.set_iso_unfused(was)
+
+
+
+def test_context_settings_are_fields_of_the_context_params():
+    import llama_cpp
+
+    cp = llama_cpp.llama_context_default_params()
+    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (False, llama_cpp.LLAMA_K_CENTER_AUTO, 0)
+    bindings.apply(cp, unfused=True, k_center="force", deferred=4096)
+    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (True, llama_cpp.LLAMA_K_CENTER_FORCE, 4096)
+    bindings.apply(cp, deferred=True)
+    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (False, llama_cpp.LLAMA_K_CENTER_AUTO, -1)
+    with pytest.raises(ValueError, match="at least 2 cells"):
+        bindings.apply(cp, deferred=1)
+    with pytest.raises(ValueError, match="k_center"):
+        bindings.llama_kwargs(k_center="on")
+    assert bindings.llama_kwargs(k_center="off", deferred=True) == {"iso_unfused": False, "k_center": False,
+                                                                    "kv_deferred": True}
+    # the library reads no environment: the tools map LLAMA_* variables onto these fields (common)
+    assert not hasattr(bindings, "set_iso_unfused") and not hasattr(bindings, "set_kv_deferred")
+
+
+def test_unhooked_archs_come_from_the_library():
+    archs = bindings.unhooked_archs()
+    assert "deepseek32" in archs and "llama" not in archs and len(set(archs)) == len(archs)

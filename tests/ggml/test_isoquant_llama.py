@@ -109,16 +109,12 @@ def test_head_size_64_uses_the_64_wide_sibling_fused_and_unfused(bin_dir, smollm
     iso = llama_cpp.GGML_TYPE_ISOQUANT3_0
     runs = {}
     for unf in (False, True):
-        bindings.set_iso_unfused(unf)
-        try:
-            llm = llama_cpp.Llama(model_path=str(smollm2), n_ctx=512, n_threads=2, seed=42, verbose=False,
-                                  flash_attn=True, type_k=iso, type_v=iso)
-            bindings.reset_counters()
-            out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
-            runs[unf] = (out, bindings.counters())
-            del llm
-        finally:
-            bindings.set_iso_unfused(False)
+        llm = llama_cpp.Llama(model_path=str(smollm2), n_ctx=512, n_threads=2, seed=42, verbose=False,
+                              flash_attn=True, type_k=iso, type_v=iso, iso_unfused=unf)
+        bindings.reset_counters()
+        out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
+        runs[unf] = (out, bindings.counters())
+        del llm
     (out_f, c_f), (out_u, c_u) = runs[False], runs[True]
     assert sane_text(out_f), out_f
     assert sane_text(out_u), out_u
@@ -178,12 +174,11 @@ def test_python_llama_counters_and_state(gemma3, sane_text):
 
     from rotaryquant import bindings
 
-    def make():
+    def make(**kw):
         return llama_cpp.Llama(model_path=str(gemma3), n_ctx=512, n_threads=2, seed=42, verbose=False,
                                flash_attn=True, type_k=llama_cpp.GGML_TYPE_ISOQUANT3_0,
-                               type_v=llama_cpp.GGML_TYPE_ISOQUANT3_0)
+                               type_v=llama_cpp.GGML_TYPE_ISOQUANT3_0, **kw)
 
-    bindings.set_iso_unfused(False)
     llm = make()
     bindings.reset_counters()
     out = llm.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
@@ -210,14 +205,10 @@ def test_python_llama_counters_and_state(gemma3, sane_text):
     assert a == b
     del llm
 
-    bindings.set_iso_unfused(True)
-    try:
-        llm2 = make()
-        bindings.reset_counters()
-        out2 = llm2.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
-        c2 = bindings.counters()
-    finally:
-        bindings.set_iso_unfused(False)
+    llm2 = make(iso_unfused=True)
+    bindings.reset_counters()
+    out2 = llm2.create_completion(PROMPT, max_tokens=16, temperature=0.0, top_k=1)["choices"][0]["text"]
+    c2 = bindings.counters()
     assert c2["iso_dequant_rows"] > 0, c2
     assert sane_text(out2), out2
 
@@ -246,7 +237,6 @@ def test_isoquant4_0_cache_fused_mixed_unfused_and_head_size(bin_dir, gemma3, sm
     assert "isoquant4_0 attention = unfused" in unfused.stderr
 
     iso4 = llama_cpp.GGML_TYPE_ISOQUANT4_0
-    bindings.set_iso_unfused(False)
     llm = llama_cpp.Llama(model_path=str(gemma3), n_ctx=512, n_threads=2, seed=42, verbose=False,
                           flash_attn=True, type_k=iso4, type_v=iso4)
     bindings.reset_counters()

@@ -36,16 +36,10 @@ def smol_cal(smollm2, tmp_path_factory):
     return out
 
 
-@pytest.fixture(autouse=True)
-def _restore_switch():
-    yield
-    bindings.set_k_center("auto")
-
-
 def _eval_ids(model, text_file, n):
     import llama_cpp
 
-    from rotaryquant.eval.data import evaluation_text
+    from rotaryquant.data import evaluation_text
 
     tok = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
     return tok.tokenize(evaluation_text().read_bytes()[:n * 8])[:n]
@@ -103,9 +97,8 @@ def test_rewrite_is_exact_with_an_unquantised_cache(gemma3_cal, text_file):
     names = [f"{n}-{il}" for il in range(18) for n in ("attn_q_in", "attn_k_in", "attn_v_in", "kqv_out")]
     runs = {}
     for mode in ("off", "force"):
-        bindings.set_k_center(mode)
         runs[mode] = capture(gemma3_cal, prompt, ["attn_q_in", "attn_k_in", "attn_v_in", "kqv_out"],
-                             type_k=f16, type_v=f16)
+                             type_k=f16, type_v=f16, k_center=mode)
         assert set(names) <= set(runs[mode])
     err = {}
     for mode, r in runs.items():
@@ -198,6 +191,20 @@ def test_log_says_which_mode_is_active(bin_dir, smollm2, smol_cal):
     assert f16.returncode == 0 and "K centring = off (the K cache is f16, not quantised)" in f16.stderr
     plain = _complete(bin_dir, smollm2, ["-ctk", "q8_0"])
     assert plain.returncode == 0 and "the model has no rotaryquant.k_center calibration" in plain.stderr
+
+
+def test_an_uncalibrated_low_bit_k_cache_warns_at_the_default_log_level(bin_dir, smollm2):
+    # a new user's first run: no -v, no calibration, a 3-bit K cache; the log must say why quality may suffer
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(smollm2), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
+           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_K_CENTER", "LLAMA_ARG_NO_K_CENTER")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    warn = [ln for ln in proc.stderr.splitlines() if "K centring = off" in ln]
+    assert warn and "isoquant3_64 K cache" in warn[0] and "run rq-calibrate" in warn[0], proc.stderr[-3000:]
+    q8 = subprocess.run([*cmd[:-4], "-ctk", "q8_0", "-ctv", "q8_0"], capture_output=True, text=True, timeout=300,
+                        env=env)
+    assert q8.returncode == 0 and "K centring = off" not in q8.stderr  # 8-bit K keeps quality: no warning
 
 
 def test_calibration_of_another_model_is_refused_at_load(bin_dir, gemma3, smol_cal, tmp_path):

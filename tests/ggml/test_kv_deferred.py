@@ -1,4 +1,4 @@
-"""Deferred prefill in the patched llama.cpp (llama_kv_cache::deferred_apply, ggml-rq.h).
+"""Deferred prefill in the patched llama.cpp (llama_kv_rq, ggml-patches/src/llama/llama-rq.h).
 
 While a sequence processes its prompt, its K/V rows also live in an F16 transient, and the prompt
 attends to the cache in the model's own basis with those exact rows patched in: the logits that end the
@@ -24,13 +24,6 @@ pytestmark = pytest.mark.slow
 PROMPT = "The three most important inventions of the nineteenth century were"
 
 
-@pytest.fixture(autouse=True)
-def _restore_switches():
-    yield
-    bindings.set_kv_deferred(False)
-    bindings.set_k_center("auto")
-
-
 @pytest.fixture(scope="module")
 def smol_cal(smollm2, tmp_path_factory):
     out = tmp_path_factory.mktemp("dfr") / "smol-cal.gguf"
@@ -41,7 +34,7 @@ def smol_cal(smollm2, tmp_path_factory):
 def _ids(model, n: int, offset: int = 0) -> list[int]:
     import llama_cpp
 
-    from rotaryquant.eval.data import evaluation_text
+    from rotaryquant.data import evaluation_text
 
     tok = llama_cpp.Llama(model_path=str(model), vocab_only=True, verbose=False)
     return tok.tokenize(evaluation_text().read_bytes()[offset * 8:(offset + n) * 8], add_bos=offset == 0)[:n]
@@ -61,14 +54,17 @@ def _last(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
 
-def _run(model, t: str, prompt: list[int], steps: list[int], **kw) -> np.ndarray:
-    """Logits after the prompt (one eval, chunked into ubatches of 128), then after each decode step."""
+def _run(model, t: str, prompt: list[int], steps: list[int], stats: dict | None = None, **kw) -> np.ndarray:
+    """Logits after the prompt (one eval, chunked into ubatches of 128), then after each decode step; stats gets
+    the context's deferred-prefill counters at the end."""
     llm = _llm(model, t, **kw)
     llm.eval(prompt)
     out = [_last(llm)]
     for tok in steps:
         llm.eval([tok])
         out.append(_last(llm))
+    if stats is not None:
+        stats.update(bindings.kv_stats(llm))
     return np.stack(out)
 
 
@@ -84,9 +80,8 @@ def test_prompt_sees_only_f16_and_decode_sees_the_cache(request, model_name, cac
     prompt, steps = _ids(model, 300), _ids(model, 4, offset=400)
     f16 = _run(model, "f16", prompt, steps)
     plain = _run(model, cache, prompt, steps)
-    bindings.reset_counters()
-    dfr = _run(model, cache, prompt, steps, kv_deferred=True)
-    c = bindings.counters()
+    c: dict = {}
+    dfr = _run(model, cache, prompt, steps, stats=c, kv_deferred=True)
 
     assert not np.array_equal(plain[0], f16[0])  # without deferral the prompt reads the quantised cache
     assert np.array_equal(dfr[0], f16[0])  # 300 tokens in 3 ubatches: each chunk saw the earlier ones exactly
@@ -100,9 +95,9 @@ def test_prompt_sees_only_f16_and_decode_sees_the_cache(request, model_name, cac
 
 def test_an_unquantised_cache_defers_nothing(gemma3):
     prompt = _ids(gemma3, 64)
-    bindings.reset_counters()
-    a = _run(gemma3, "f16", prompt, [], kv_deferred=True)
-    assert bindings.counters()["kv_deferred_peak_bytes"] == 0
+    c: dict = {}
+    a = _run(gemma3, "f16", prompt, [], stats=c, kv_deferred=True)
+    assert c["kv_deferred_peak_bytes"] == 0
     assert np.array_equal(a, _run(gemma3, "f16", prompt, []))
 
 
@@ -112,7 +107,6 @@ class _Ctx:
     def __init__(self, model, t: str):
         import llama_cpp as L
 
-        bindings.set_kv_deferred(True)
         self.L = L
         self.model = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
         cp = L.llama_context_default_params()
@@ -120,6 +114,7 @@ class _Ctx:
         cp.type_k = cp.type_v = bindings.type_from_name(t)
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cp.n_threads = cp.n_threads_batch = 2
+        cp.kv_deferred = -1
         self.ctx = L.llama_init_from_model(self.model, cp)
         self.batch = L.llama_batch_init(512, 0, 2)
         self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
@@ -185,6 +180,8 @@ def test_kshift_drops_the_transient_and_keeps_quality(gemma3):
     retained = a[:keep] + a[keep + nd:]
     truth = _run(gemma3, "f16", retained, b)[1:]
 
+    c: dict = {}
+
     def shifted(**kw):
         llm = _llm(gemma3, "isoquant3_0", **kw)
         llm.eval(a)
@@ -197,12 +194,12 @@ def test_kshift_drops_the_transient_and_keeps_quality(gemma3):
         for t in b:
             llm.eval([t])
             out.append(_last(llm))
+        c.update(bindings.kv_stats(llm))
         return np.stack(out)
 
     plain = _kld(truth, shifted())
-    bindings.reset_counters()
     dfr = _kld(truth, shifted(kv_deferred=True))
-    assert bindings.counters()["kv_deferred_bytes"] == 0
+    assert c["kv_deferred_bytes"] == 0 and c["kv_deferred_peak_bytes"] > 0
     assert dfr < plain + 0.03, (plain, dfr)
 
 
@@ -228,9 +225,8 @@ def test_a_budget_smaller_than_the_prompt_degrades_gracefully(gemma3):
     prompt, steps = _ids(gemma3, 300), _ids(gemma3, 2, offset=400)
     f16 = _run(gemma3, "f16", prompt, steps)
     plain = _run(gemma3, "isoquant3_0", prompt, steps)
-    bindings.reset_counters()
-    small = _run(gemma3, "isoquant3_0", prompt, steps, kv_deferred=100)  # process-wide from here on
-    c = bindings.counters()
+    c: dict = {}
+    small = _run(gemma3, "isoquant3_0", prompt, steps, stats=c, kv_deferred=100)
     assert c["kv_deferred_cells"] == 2 * 100  # both caches kept 100 rows each, then ran out
     assert not np.array_equal(small[0], f16[0])
     assert _kld(f16[:1], small[:1]) < _kld(f16[:1], plain[:1])
@@ -263,3 +259,26 @@ def test_server_under_load_answers_as_alone_and_gives_the_transient_back(gemma3)
     assert r.metrics["kv_deferred_conversions_total"] >= 16
     assert r.metrics["kv_deferred_peak_bytes"] > 0
     assert r.metrics["kv_deferred_bytes"] == 0
+
+
+def test_two_contexts_in_one_process_keep_their_own_settings(smol_cal):
+    # the unfused path, K centring and deferred prefill are fields of llama_context_params: a context built with
+    # them, then a default one built after it and both run interleaved, each give what they give alone (bit for
+    # bit). Built in this order, settings that leaked process-wide would reach the default context.
+    prompt, steps = _ids(smol_cal, 200), _ids(smol_cal, 4, offset=400)
+    odd = {"iso_unfused": True, "k_center": False, "kv_deferred": True}
+
+    alone_odd, alone_dflt = _run(smol_cal, "isoquant3_0", prompt, steps, **odd), _run(smol_cal, "isoquant3_0", prompt, steps)
+    assert not np.array_equal(alone_odd, alone_dflt)
+
+    b = _llm(smol_cal, "isoquant3_0", **odd)
+    a = _llm(smol_cal, "isoquant3_0")
+    out: dict = {"a": [], "b": []}
+    for toks in [prompt] + [[t] for t in steps]:
+        for name, llm in (("b", b), ("a", a)):
+            llm.eval(toks)
+            out[name].append(_last(llm))
+    assert np.array_equal(np.stack(out["a"]), alone_dflt)
+    assert np.array_equal(np.stack(out["b"]), alone_odd)
+    assert bindings.kv_stats(b)["kv_deferred_conversions"] == 1 and bindings.kv_stats(b)["kv_deferred_bytes"] == 0
+    assert bindings.kv_stats(a) == dict.fromkeys(bindings.KV_STATS, 0)

@@ -37,6 +37,22 @@ def test_series_applies_to_pristine_upstream(upstream_tree, tmp_path):
     cm = (root / "vendor/llama.cpp/ggml/src/CMakeLists.txt").read_text()
     assert "ggml-rq/isoquant.c" in cm
     assert (PATCH_DIR / "src" / "isoquant.c").exists()
+    assert "llama-rq/llama-rq.cpp" in (root / "vendor/llama.cpp/src/CMakeLists.txt").read_text()
+    # `make patches` round-trips: the applied series exported again is the committed series, byte for byte
+    out = tmp_path / "exported"
+    out.mkdir()
+    again = patches.format_series(root, out)
+    assert [p.name for p in again] == [p.name for p in series]
+    for a, b in zip(again, series):
+        assert a.read_bytes() == b.read_bytes(), f"{b.name} does not round-trip through git am/format-patch"
+
+
+def test_upstream_lines_of_the_llama_hooks_stay_few():
+    # K centring and deferred prefill live in ggml-patches/src/llama (llama-rq); the hook patch only adds lines
+    # to upstream files: keep it reviewable (at most 300 added lines in them)
+    patch = next(p for p in patches.patch_series() if "K-centring" in p.name)
+    added = [ln for ln in patch.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++")]
+    assert 0 < len(added) <= 300, len(added)
 
 
 def test_broken_patch_is_named(upstream_tree, tmp_path):

@@ -1,0 +1,40 @@
+#pragma once
+
+// Plain data of RotaryQuant's llama hooks (llama-rq.h), kept apart so that llama-model.h and llama-graph.h can hold
+// them without pulling in the KV cache.
+
+#include "llama.h"
+
+#include <cstdint>
+#include <vector>
+
+struct ggml_tensor;
+class  llama_kv_rq;
+
+// the RotaryQuant fields of llama_context_params, fixed for the life of a context
+struct llama_rq_params {
+    bool    iso_unfused = false;               // IsoQuant K/V dequantised to F16 before attention
+    int32_t k_center    = LLAMA_K_CENTER_AUTO; // enum llama_k_center
+    int64_t kv_deferred = 0;                   // deferred prefill budget in cells: 0 off, -1 the whole cache
+};
+
+// rotaryquant.k_center.* as loaded from the GGUF (written by rq-calibrate): per layer the offset of its
+// [n_head_kv][n_embd_head_k] block in mu/lam, -1 where the layer has none; empty when the model is not calibrated
+struct llama_rq_k_center_data {
+    std::vector<int32_t> off;
+    std::vector<float>   mu;
+    std::vector<float>   lam;
+};
+
+// graph inputs of a ubatch that attends through the deferred-prefill transient; all null otherwise
+struct llama_rq_dfr_inputs {
+    ggml_tensor * w_rows = nullptr; // I64 [n_tokens]: the transient row each token's K/V go to
+    ggml_tensor * rows   = nullptr; // I32 [n]: transient rows the ubatch can see
+    ggml_tensor * cells  = nullptr; // I64 [n]: their cells in the attended view
+};
+
+// what a context shares with the KV caches it created: their deferred-prefill counters, and the caches themselves
+struct llama_rq_ctx {
+    llama_rq_kv_stats                stats = {};
+    std::vector<const llama_kv_rq *> caches;
+};

@@ -1,0 +1,724 @@
+#include "llama-rq.h"
+
+#include "llama-batch.h"
+#include "llama-context.h"
+#include "llama-graph.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml-backend.h"
+#include "gguf.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+
+bool llama_rq_arch_unhooked(llm_arch arch) {
+    return arch == LLM_ARCH_DEEPSEEK32 || arch == LLM_ARCH_DEEPSEEK4 || arch == LLM_ARCH_GLM_DSA ||
+           arch == LLM_ARCH_HY_V4 || arch == LLM_ARCH_DFLASH || arch == LLM_ARCH_GLM5_NEXT ||
+           arch == LLM_ARCH_MINIMAX_M3 || arch == LLM_ARCH_QWEN4EXP || arch == LLM_ARCH_DOTS3NOTE;
+}
+
+const char * llama_rq_unhooked_archs(void) {
+    static const std::string names = [] {
+        std::string s;
+        for (int a = 0; a < LLM_ARCH_UNKNOWN; ++a) {
+            if (llama_rq_arch_unhooked((llm_arch) a)) {
+                s += s.empty() ? "" : ",";
+                s += llm_arch_name((llm_arch) a);
+            }
+        }
+        return s;
+    }();
+    return names.c_str();
+}
+
+//
+// settings scope
+//
+
+static thread_local llama_rq_scope * rq_scope_cur = nullptr;
+
+llama_rq_scope::llama_rq_scope(const llama_rq_params & params) : params(params), prev(rq_scope_cur) {
+    rq_scope_cur = this;
+}
+
+llama_rq_scope::~llama_rq_scope() {
+    rq_scope_cur = prev;
+}
+
+llama_rq_scope * llama_rq_scope::current() {
+    return rq_scope_cur;
+}
+
+//
+// K-centring calibration in the GGUF (stock builds ignore the unknown keys)
+//
+
+void llama_rq_load_k_center(const gguf_context * ctx, const llama_hparams & hparams, llama_rq_k_center_data & out) {
+    const int kid_ver = gguf_find_key(ctx, "rotaryquant.k_center.version");
+    if (kid_ver < 0) {
+        return;
+    }
+    const uint32_t ver = gguf_get_kv_type(ctx, kid_ver) == GGUF_TYPE_UINT32 ? gguf_get_val_u32(ctx, kid_ver) : 0;
+    if (ver != 1) {
+        throw std::runtime_error(format("rotaryquant.k_center.version %u is not supported by this build (1); "
+            "re-run rq-calibrate with this version", ver));
+    }
+    auto arr = [&](const char * key, gguf_type type) -> int {
+        const int kid = gguf_find_key(ctx, key);
+        if (kid < 0 || gguf_get_kv_type(ctx, kid) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, kid) != type) {
+            throw std::runtime_error(format("%s is missing or not an array of %s; re-run rq-calibrate", key, gguf_type_name(type)));
+        }
+        return kid;
+    };
+    const int kid_l  = arr("rotaryquant.k_center.layers", GGUF_TYPE_INT32);
+    const int kid_mu = arr("rotaryquant.k_center.mean",   GGUF_TYPE_FLOAT32);
+    const int kid_s  = arr("rotaryquant.k_center.scale",  GGUF_TYPE_FLOAT32);
+
+    const uint32_t n_layer = hparams.n_layer_all;
+    const int32_t * il_arr = (const int32_t *) gguf_get_arr_data(ctx, kid_l);
+    std::vector<int32_t> off(n_layer, -1);
+    size_t n = 0;
+    for (size_t i = 0; i < gguf_get_arr_n(ctx, kid_l); ++i) {
+        const int32_t il = il_arr[i];
+        if (il < 0 || (uint32_t) il >= n_layer || !hparams.has_kv(il) || off[il] >= 0) {
+            throw std::runtime_error(format("rotaryquant.k_center.layers lists layer %d, which has no KV cache in this model; "
+                "the calibration belongs to another model: re-run rq-calibrate on this file", il));
+        }
+        off[il] = (int32_t) n;
+        n += hparams.n_embd_k_gqa(il);
+    }
+    if (gguf_get_arr_n(ctx, kid_mu) != n || gguf_get_arr_n(ctx, kid_s) != n) {
+        throw std::runtime_error(format("rotaryquant.k_center has %zu/%zu values where this model needs %zu; "
+            "the calibration belongs to another model: re-run rq-calibrate on this file",
+            gguf_get_arr_n(ctx, kid_mu), gguf_get_arr_n(ctx, kid_s), n));
+    }
+    const float * mu  = (const float *) gguf_get_arr_data(ctx, kid_mu);
+    const float * lam = (const float *) gguf_get_arr_data(ctx, kid_s);
+    for (size_t i = 0; i < n; ++i) {
+        if (!std::isfinite(mu[i]) || !std::isfinite(lam[i]) || !(lam[i] > 0.0f)) {
+            throw std::runtime_error("rotaryquant.k_center holds a non-finite mean or a non-positive scale; re-run rq-calibrate");
+        }
+    }
+    out.off = std::move(off);
+    out.mu.assign(mu, mu + n);
+    out.lam.assign(lam, lam + n);
+}
+
+//
+// batch split by phase
+//
+
+llama_ubatch llama_rq_split_phase(llama_batch_allocr & b, uint32_t n_ubatch, bool equal) {
+    const auto is_single = [&](uint32_t i) { return b.seq_pos[b.seq_id[i][0]].size() == 1; };
+
+    bool single = false;
+    for (uint32_t i = 0; i < b.used.size() && !single; ++i) {
+        single = !b.used[i] && is_single(i);
+    }
+
+    if (!equal) {
+        // split_simple over this phase's tokens (split_simple itself takes a contiguous run)
+        std::vector<int32_t> idxs;
+        for (uint32_t i = 0; i < b.used.size() && idxs.size() < n_ubatch; ++i) {
+            if (b.used[i] || is_single(i) != single) {
+                continue;
+            }
+            idxs.push_back(i);
+            b.used[i] = true;
+            ++b.n_used;
+        }
+        return idxs.empty() ? llama_ubatch{} : b.ubatch_add(idxs, idxs.size(), false);
+    }
+
+    // split_equal skips used tokens: hide the other phase's tokens from it
+    std::vector<uint32_t> hidden;
+    for (uint32_t i = 0; i < b.used.size(); ++i) {
+        if (!b.used[i] && is_single(i) != single) {
+            b.used[i] = true;
+            hidden.push_back(i);
+        }
+    }
+
+    llama_ubatch res = b.split_equal(n_ubatch, true, 0);
+
+    for (uint32_t i : hidden) {
+        b.used[i] = false;
+    }
+
+    return res;
+}
+
+//
+// per-cache state
+//
+
+// the small per-layer tensors live next to each layer's K, one no_alloc context per buffer type (ordered by name, as
+// the cache's own contexts are)
+struct rq_buft_cmp {
+    bool operator()(ggml_backend_buffer_type_t a, ggml_backend_buffer_type_t b) const {
+        return strcmp(ggml_backend_buft_name(a), ggml_backend_buft_name(b)) < 0;
+    }
+};
+using rq_buft_ctxs = std::map<ggml_backend_buffer_type_t, ggml_context_ptr, rq_buft_cmp>;
+
+static ggml_context * rq_ctx_for(rq_buft_ctxs & ctxs, ggml_backend_buffer_type_t buft, size_t n_tensors, const char * what) {
+    auto it = ctxs.find(buft);
+    if (it == ctxs.end()) {
+        ggml_init_params params = { n_tensors*ggml_tensor_overhead(), nullptr, true };
+        ggml_context_ptr ctx { ggml_init(params) };
+        if (!ctx) {
+            throw std::runtime_error(std::string("failed to create ggml context for ") + what);
+        }
+        it = ctxs.emplace(buft, std::move(ctx)).first;
+    }
+    return it->second.get();
+}
+
+std::shared_ptr<llama_kv_rq> llama_kv_rq::create(llama_kv_cache & kv, ggml_type type_k, ggml_type type_v) {
+    const llama_rq_scope * scope = llama_rq_scope::current();
+    auto rq = std::make_shared<llama_kv_rq>(kv, scope ? scope->params : llama_rq_params{},
+                                            scope ? scope->ctx : std::make_shared<llama_rq_ctx>());
+    if (!kv.other) { // a cache that views another's cells leaves both hooks to the owner
+        rq->init_k_center(type_k);
+        rq->init_deferred(type_k, type_v);
+    }
+    return rq;
+}
+
+llama_kv_rq::llama_kv_rq(llama_kv_cache & kv, const llama_rq_params & params, std::shared_ptr<llama_rq_ctx> ctx) :
+    kv(kv), params(params), ctx(std::move(ctx)), stats(this->ctx->stats),
+    kc(kv.layers.size()), k_dfr(kv.layers.size(), nullptr), v_dfr(kv.layers.size(), nullptr) {
+    this->ctx->caches.push_back(this);
+}
+
+llama_kv_rq::~llama_kv_rq() {
+    add_bytes(-(int64_t) (dfr_used*dfr_row_bytes));
+    auto & c = ctx->caches;
+    c.erase(std::remove(c.begin(), c.end(), this), c.end());
+}
+
+void llama_kv_rq::memory(llama_rq_memory & m) const {
+    if (kv.other) {
+        return; // views another cache's tensors
+    }
+    m.kv_k += kv.size_k_bytes();
+    m.kv_v += kv.size_v_bytes();
+    for (const auto & bufs : { &kc_ctxs_bufs, &dfr_ctxs_bufs }) {
+        for (const auto & [c, buf] : *bufs) {
+            for (ggml_tensor * t = ggml_get_first_tensor(c.get()); t; t = ggml_get_next_tensor(c.get(), t)) {
+                m.kv_other += bufs == &dfr_ctxs_bufs ? 0 : ggml_nbytes(t); // the transient only while rows are used:
+            }                                                              // deferred_bytes counts it
+        }
+    }
+}
+
+const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
+    return kc[kv.map_layer_ids.at(il)];
+}
+
+void llama_kv_rq::init_k_center(ggml_type type_k) {
+    const llama_model   & model   = kv.model;
+    const llama_hparams & hparams = kv.hparams;
+    const auto & cal = model.rq_k_center;
+
+    const bool quantized = ggml_is_quantized(type_k);
+    if (cal.off.empty()) {
+        // measured: uncalibrated 3- and 4-bit K caches break models whose keys carry large per-channel offsets
+        // (Qwen2.5 repeats one word with isoquant3_0 or q4_0 K); 8-bit K keeps their quality
+        const double bpv = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
+        if (quantized && bpv < 6.0) {
+            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration, and a %s K cache "
+                "(%.2f bits/value) loses much of the model's quality without it on many models; run rq-calibrate on "
+                "the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
+        } else if (quantized) {
+            LLAMA_LOG_INFO("%s: K centring = off (the model has no rotaryquant.k_center calibration; rq-calibrate adds it)\n", __func__);
+        }
+        return;
+    }
+    if (params.k_center == LLAMA_K_CENTER_OFF) {
+        LLAMA_LOG_INFO("%s: K centring = off (--no-k-center, k_center = off)\n", __func__);
+        return;
+    }
+    if (!quantized && params.k_center != LLAMA_K_CENTER_FORCE) {
+        LLAMA_LOG_INFO("%s: K centring = off (the K cache is %s, not quantised)\n", __func__, ggml_type_name(type_k));
+        return;
+    }
+
+    // the rewrite is exact only where the logits reach softmax as q.k plus a per-query constant and where build_attn
+    // writes and reads the cache
+    const char * why = nullptr;
+    if (hparams.is_mla()) {
+        why = "K doubles as V (MLA)";
+    } else if (hparams.attn_soft_cap || model.arch == LLM_ARCH_GROK) {
+        why = "attention logits are soft-capped";
+    } else if (llama_rq_arch_unhooked(model.arch)) {
+        why = "this architecture writes its K cache outside build_attn";
+    } else {
+        for (const auto & layer : kv.layers) {
+            if (model.layers[layer.il].attn_sinks) {
+                why = "attention sinks are not shift-invariant";
+                break;
+            }
+        }
+    }
+    if (why) {
+        LLAMA_LOG_WARN("%s: K centring = off: the model is calibrated, but %s; the calibration is ignored\n", __func__, why);
+        return;
+    }
+
+    rq_buft_ctxs ctxs;
+    int n_cal = 0;
+    for (size_t i = 0; i < kv.layers.size(); ++i) {
+        const auto & layer = kv.layers[i];
+        const uint32_t il = layer.il;
+        if (cal.off[il] < 0) {
+            continue;
+        }
+        ggml_context * ctx = rq_ctx_for(ctxs, ggml_backend_buffer_get_type(layer.k->buffer), 3*kv.layers.size(), "K centring");
+        const int64_t hd = hparams.n_embd_head_k(il);
+        kc[i].k_scale = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head_kv(il));
+        kc[i].k_bias  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head_kv(il));
+        kc[i].q_scale = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head(il));
+        ggml_format_name(kc[i].k_scale, "k_center_scale_l%d", il);
+        ggml_format_name(kc[i].k_bias,  "k_center_bias_l%d",  il);
+        ggml_format_name(kc[i].q_scale, "k_center_q_l%d",     il);
+        n_cal++;
+    }
+    for (auto & [buft, ctx] : ctxs) {
+        ggml_backend_buffer_t buf = hparams.no_alloc ? ggml_backend_buft_alloc_buffer(buft, 0)
+                                                     : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (!buf) {
+            throw std::runtime_error("failed to allocate buffer for K centring");
+        }
+        if (hparams.no_alloc) {
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t; t = ggml_get_next_tensor(ctx.get(), t)) {
+                t->buffer = buf;
+            }
+        }
+        kc_ctxs_bufs.emplace_back(std::move(ctx), buf);
+    }
+    if (!hparams.no_alloc) {
+        for (size_t i = 0; i < kv.layers.size(); ++i) {
+            if (!kc[i].k_scale) {
+                continue;
+            }
+            const uint32_t il  = kv.layers[i].il;
+            const int64_t  hd  = hparams.n_embd_head_k(il);
+            const int64_t  nkv = hparams.n_head_kv(il);
+            const int64_t  nq  = hparams.n_head(il);
+            const float *  mu  = cal.mu.data()  + cal.off[il];
+            const float *  lam = cal.lam.data() + cal.off[il];
+            std::vector<float> a(hd*nkv), b(hd*nkv), q(hd*nq);
+            for (int64_t j = 0; j < hd*nkv; ++j) {
+                a[j] = 1.0f/lam[j];
+                b[j] = -mu[j]/lam[j];
+            }
+            // query head h reads KV head h/(nq/nkv) (GQA); ggml_mul would broadcast modulo n_head_kv
+            for (int64_t h = 0; h < nq; ++h) {
+                memcpy(q.data() + h*hd, lam + (h/(nq/nkv))*hd, hd*sizeof(float));
+            }
+            ggml_backend_tensor_set(kc[i].k_scale, a.data(), 0, ggml_nbytes(kc[i].k_scale));
+            ggml_backend_tensor_set(kc[i].k_bias,  b.data(), 0, ggml_nbytes(kc[i].k_bias));
+            ggml_backend_tensor_set(kc[i].q_scale, q.data(), 0, ggml_nbytes(kc[i].q_scale));
+        }
+    }
+    LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
+            __func__, n_cal, (int) kv.layers.size());
+}
+
+ggml_tensor * llama_kv_rq::to_model_basis(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * rot, int32_t il, bool is_k) const {
+    ggml_tensor * x = ggml_cast(ctx, cur, GGML_TYPE_F32);
+    x = llama_mul_mat_hadamard(ctx, x, rot); // H = H^-1 (null: no rotation)
+    const llama_rq_k_center & c = k_center(il);
+    if (is_k && c.k_scale) {
+        x = ggml_div(ctx, ggml_sub(ctx, x, c.k_bias), c.k_scale); // k = stored*lam + mu
+    }
+    return x;
+}
+
+ggml_tensor * llama_kv_rq::k_recenter(ggml_context * ctx, ggml_tensor * cur, int32_t il) const {
+    const llama_rq_k_center & c = k_center(il);
+    return c.k_scale ? ggml_add(ctx, ggml_mul(ctx, cur, c.k_scale), c.k_bias) : cur;
+}
+
+//
+// deferred prefill
+//
+
+void llama_kv_rq::add_bytes(int64_t n) {
+    if (n == 0) {
+        return;
+    }
+    stats.deferred_bytes = (uint64_t) ((int64_t) stats.deferred_bytes + n);
+    stats.deferred_peak_bytes = std::max(stats.deferred_peak_bytes, stats.deferred_bytes);
+}
+
+void llama_kv_rq::init_deferred(ggml_type type_k, ggml_type type_v) {
+    const llama_hparams & hparams = kv.hparams;
+    const int64_t req = params.kv_deferred;
+    if (req == 0 || hparams.no_alloc) {
+        return;
+    }
+    bool any_kc = false;
+    for (const auto & c : kc) {
+        any_kc |= c.k_scale != nullptr;
+    }
+    const bool dk = ggml_is_quantized(type_k) || any_kc;
+    const bool dv = ggml_is_quantized(type_v);
+    const char * why = nullptr;
+    if (!dk && !dv) {
+        why = "the cache is not quantised: prompts already attend to exact K/V";
+    } else if (hparams.is_mla()) {
+        why = "K doubles as V (MLA)";
+    } else if (llama_rq_arch_unhooked(kv.model.arch)) {
+        why = "this architecture writes its K cache outside build_attn";
+    } else if (dv && kv.v_trans) {
+        why = "a quantised V cache needs flash attention";
+    }
+    if (why) {
+        LLAMA_LOG_INFO("%s: deferred prefill = off (%s)\n", __func__, why);
+        return;
+    }
+
+    const uint32_t n_cells = kv.get_size()*kv.n_stream;
+    dfr_budget = req < 0 ? n_cells : (uint32_t) std::min<int64_t>(req, n_cells);
+
+    rq_buft_ctxs ctxs;
+    for (size_t i = 0; i < kv.layers.size(); ++i) {
+        const auto & layer = kv.layers[i];
+        ggml_context * ctx = rq_ctx_for(ctxs, ggml_backend_buffer_get_type(layer.k->buffer), 2*kv.layers.size(), "deferred prefill");
+        if (dk) {
+            k_dfr[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.k->ne[0], dfr_budget + 1);
+            ggml_format_name(k_dfr[i], "cache_dfr_k_l%d", layer.il);
+            dfr_row_bytes += ggml_row_size(GGML_TYPE_F16, layer.k->ne[0]);
+        }
+        if (dv) {
+            v_dfr[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.v->ne[0], dfr_budget + 1);
+            ggml_format_name(v_dfr[i], "cache_dfr_v_l%d", layer.il);
+            dfr_row_bytes += ggml_row_size(GGML_TYPE_F16, layer.v->ne[0]);
+        }
+    }
+    for (auto & [buft, ctx] : ctxs) {
+        dfr_ctxs_bufs.emplace_back(std::move(ctx), nullptr);
+        dfr_bufts.push_back(buft);
+    }
+
+    dfr_row_of_cell.assign(n_cells, -1);
+    dfr_cell_of_row.assign(dfr_budget, -1);
+    dfr_pos_of_row.assign(dfr_budget, -1);
+    dfr_free.resize(dfr_budget);
+    for (uint32_t r = 0; r < dfr_budget; ++r) {
+        dfr_free[r] = dfr_budget - 1 - r;
+    }
+
+    LLAMA_LOG_INFO("%s: deferred prefill = on (%s%s%s in F16 for up to %u prompt cells: %.2f MiB transient, "
+            "taken while prompts are processed and given back when their sequences decode)\n", __func__,
+            dk ? "K" : "", dk && dv ? " and " : "", dv ? "V" : "", dfr_budget, dfr_budget*dfr_row_bytes/1024.0/1024.0);
+}
+
+void llama_kv_rq::release(uint32_t row) {
+    const int64_t c = dfr_cell_of_row[row];
+    GGML_ASSERT(c >= 0);
+    dfr_row_of_cell[c]   = -1;
+    dfr_cell_of_row[row] = -1;
+    dfr_free.push_back(row);
+    dfr_used--;
+    add_bytes(-(int64_t) dfr_row_bytes);
+    if (dfr_used == 0) {
+        // give the memory back: on CPU only the touched rows were ever resident
+        for (auto & [ctx, buf] : dfr_ctxs_bufs) {
+            buf.reset();
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t; t = ggml_get_next_tensor(ctx.get(), t)) {
+                t->data   = nullptr;
+                t->buffer = nullptr;
+            }
+        }
+        std::sort(dfr_free.begin(), dfr_free.end(), std::greater<int32_t>());
+    }
+}
+
+void llama_kv_rq::drop_stale() {
+    if (dfr_used == 0) {
+        return;
+    }
+    const uint32_t kv_size = kv.get_size();
+    for (uint32_t r = 0; r < dfr_budget; ++r) {
+        const int64_t c = dfr_cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const auto & cells = kv.v_cells[c/kv_size];
+        const uint32_t idx = c % kv_size;
+        if (cells.is_empty(idx) || cells.pos_get(idx) != dfr_pos_of_row[r]) {
+            release(r);
+        }
+    }
+}
+
+void llama_kv_rq::drop_all() {
+    for (uint32_t r = 0; r < dfr_budget && dfr_used > 0; ++r) {
+        if (dfr_cell_of_row[r] >= 0) {
+            release(r);
+        }
+    }
+}
+
+void llama_kv_rq::batch(const llama_batch_allocr & balloc) {
+    if (dfr_budget == 0) {
+        return;
+    }
+    // a sequence with several tokens in the batch is processing a prompt (or a draft to verify); one token is a
+    // decode step. Judged per batch: the ubatches of a prompt can hold a single token of it
+    for (llama_seq_id s = 0; s < LLAMA_MAX_SEQ; ++s) {
+        dfr_prompt[s] = balloc.seq_pos_max(s) > balloc.seq_pos_min(s);
+    }
+}
+
+bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub) {
+    dfr_w.clear();
+    dfr_rows.clear();
+    dfr_cells.clear();
+    if (dfr_budget == 0) {
+        return false;
+    }
+
+    const uint32_t kv_size = kv.get_size();
+
+    // a single token is a decode step: the sequence reads the quantised cache from now on
+    if (dfr_used > 0) {
+        for (uint32_t i = 0; i < ub.n_seqs_unq; ++i) {
+            const llama_seq_id seq_id = ub.seq_id_unq[i];
+            if (dfr_prompt[seq_id]) {
+                continue;
+            }
+            const uint32_t strm = kv.seq_to_stream[seq_id];
+            uint64_t n_rel = 0;
+            for (uint32_t r = 0; r < dfr_budget; ++r) {
+                const int64_t c = dfr_cell_of_row[r];
+                if (c >= 0 && c/kv_size == strm && kv.v_cells[strm].seq_has(c % kv_size, seq_id)) {
+                    release(r);
+                    n_rel++;
+                }
+            }
+            if (n_rel > 0) {
+                stats.deferred_cells += n_rel;
+                stats.deferred_conversions += 1;
+            }
+        }
+        drop_stale();
+    }
+
+    dfr_w.assign(ub.n_tokens, dfr_budget); // the spare row
+    uint32_t n_prompt = 0;
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
+            const uint32_t i = s*sinfo.size() + ii;
+            const int64_t  c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            if (dfr_row_of_cell[c] >= 0) {
+                release(dfr_row_of_cell[c]);
+            }
+            if (!dfr_prompt[ub.seq_id[i][0]]) {
+                continue;
+            }
+            n_prompt++;
+            if (dfr_free.empty()) {
+                if (!dfr_full_logged) {
+                    LLAMA_LOG_WARN("%s: deferred prefill: the transient (%u cells) is full; further prompt tokens "
+                            "attend to the quantised cache (raise --kv-deferred-budget)\n", __func__, dfr_budget);
+                    dfr_full_logged = true;
+                }
+                continue;
+            }
+            if (dfr_used == 0) {
+                for (size_t j = 0; j < dfr_ctxs_bufs.size(); ++j) {
+                    auto & [ctx, buf] = dfr_ctxs_bufs[j];
+                    // not cleared: pages a row never touches are never made resident
+                    buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), dfr_bufts[j]));
+                    if (!buf) {
+                        throw std::runtime_error("failed to allocate the deferred-prefill transient");
+                    }
+                }
+            }
+            const int32_t r = dfr_free.back();
+            dfr_free.pop_back();
+            dfr_used++;
+            dfr_row_of_cell[c] = r;
+            dfr_cell_of_row[r] = c;
+            dfr_pos_of_row[r]  = ub.pos[i];
+            dfr_w[i] = r;
+            add_bytes((int64_t) dfr_row_bytes);
+        }
+    }
+
+    if (n_prompt == 0 || dfr_used == 0) {
+        dfr_w.clear();
+        return false;
+    }
+
+    const uint32_t n_kv = kv.get_n_kv(sinfo);
+    for (uint32_t r = 0; r < dfr_budget; ++r) {
+        const int64_t c = dfr_cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const uint32_t strm = c/kv_size;
+        const uint32_t idx  = c % kv_size;
+        if (strm < sinfo.s0 || strm > sinfo.s1 || idx >= n_kv) {
+            continue;
+        }
+        dfr_rows.push_back(r);
+        dfr_cells.push_back((int64_t) (strm - sinfo.s0)*n_kv + idx);
+    }
+
+    return true;
+}
+
+void llama_kv_rq::build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) const {
+    inp.w_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, dfr_w.size());
+    ggml_set_input(inp.w_rows);
+    ggml_set_name(inp.w_rows, "attn_inp_dfr_w");
+    if (!dfr_rows.empty()) {
+        inp.rows  = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, dfr_rows.size());
+        inp.cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, dfr_cells.size());
+        ggml_set_input(inp.rows);
+        ggml_set_input(inp.cells);
+        ggml_set_name(inp.rows,  "attn_inp_dfr_rows");
+        ggml_set_name(inp.cells, "attn_inp_dfr_cells");
+    }
+}
+
+void llama_kv_rq::set_input(const llama_rq_dfr_inputs & inp) const {
+    const std::pair<ggml_tensor *, const void *> ins[] = {
+        { inp.w_rows, dfr_w.data() }, { inp.rows, dfr_rows.data() }, { inp.cells, dfr_cells.data() } };
+    for (const auto & [t, src] : ins) {
+        if (t && t->buffer) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(t->buffer));
+            memcpy(t->data, src, ggml_nbytes(t));
+        }
+    }
+}
+
+void llama_kv_rq::build_attn(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
+        ggml_tensor * k_raw, ggml_tensor * v_raw, ggml_tensor *& k, ggml_tensor *& v,
+        ggml_tensor * k_rot, ggml_tensor * v_rot, int32_t il, uint32_t n_kv) const {
+    const int32_t ikv = kv.map_layer_ids.at(il);
+
+    // the cache in the model's basis, F16, with the transient's exact rows in place of their cells
+    const auto attend = [&](ggml_tensor * view, ggml_tensor * dfr, ggml_tensor * raw, ggml_tensor * rot, bool is_k) {
+        const int64_t n_embd_gqa = dfr->ne[0];
+        ggml_tensor * src = dfr;
+        if (raw) {
+            raw = ggml_is_contiguous(raw) ? raw : ggml_cont(ctx, raw);
+            src = ggml_set_rows(ctx, dfr, ggml_reshape_2d(ctx, raw, n_embd_gqa, ggml_nelements(raw)/n_embd_gqa), inp.w_rows);
+            ggml_build_forward_expand(gf, src);
+        }
+        ggml_tensor * x = rot || (is_k && kc[ikv].k_scale) ? ggml_cast(ctx, to_model_basis(ctx, view, rot, il, is_k), GGML_TYPE_F16)
+                                                           : ggml_cast(ctx, view, GGML_TYPE_F16);
+        if (inp.rows) {
+            ggml_tensor * x2 = ggml_reshape_2d(ctx, x, n_embd_gqa, ggml_nelements(x)/n_embd_gqa);
+            x2 = ggml_set_rows(ctx, x2, ggml_get_rows(ctx, src, inp.rows), inp.cells);
+            x  = ggml_reshape_4d(ctx, x2, view->ne[0], view->ne[1], view->ne[2], view->ne[3]);
+        }
+        GGML_ASSERT(x->ne[2] == (int64_t) n_kv);
+        return x;
+    };
+
+    if (k_dfr[ikv]) {
+        k = attend(k, k_dfr[ikv], k_raw, k_rot, true);
+    }
+    if (v_dfr[ikv]) {
+        GGML_ASSERT(!kv.v_trans);
+        v = attend(v, v_dfr[ikv], v_raw, v_rot, false);
+    }
+}
+
+//
+// graph hooks
+//
+
+llama_rq_attn::llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp,
+        ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, int il) :
+    g(g), mctx(mctx), inp(inp), q_raw(q_cur), k_raw(k_cur), v_raw(v_cur), il(il) {
+    ggml_context * ctx0 = g.ctx0;
+
+    // only with an eval callback: the extra nodes would get between RoPE and the cache write otherwise
+    if (g.cparams.cb_eval) {
+        const std::pair<ggml_tensor *, const char *> ins[] = { {q_cur, "attn_q_in"}, {k_cur, "attn_k_in"}, {v_cur, "attn_v_in"} };
+        for (const auto & [t, name] : ins) {
+            if (!t) {
+                continue;
+            }
+            ggml_tensor * t_in = ggml_view_4d(ctx0, t, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], 0);
+            g.cb(t_in, name, il);
+            ggml_build_forward_expand(g.gf, t_in);
+        }
+    }
+
+    dfr = !g.cparams.training && inp.w_rows != nullptr;
+
+    // q*lam . (k - mu)/lam = q.k - q.mu, and q.mu is the same for every key of a query: softmax is unchanged. Applied
+    // before any attn_rot Hadamard (orthonormal, so it keeps the identity). KV-shared layers (k_cur == nullptr) still
+    // scale q, with the owning layer's lam
+    const llama_rq_k_center & kc = mctx->get_rq()->k_center(il);
+    if (!kc.k_scale) {
+        return;
+    }
+    GGML_ASSERT(sinks == nullptr && "K centring with attention sinks is refused at cache creation");
+
+    q_cur = ggml_mul(ctx0, q_cur, kc.q_scale);
+    g.cb(q_cur, "attn_q_kc", il);
+    if (k_cur) {
+        k_cur = ggml_add(ctx0, ggml_mul(ctx0, k_cur, kc.k_scale), kc.k_bias);
+        g.cb(k_cur, "attn_k_kc", il);
+    }
+}
+
+void llama_rq_attn::kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, ggml_tensor * v_rot) const {
+    if (dfr) {
+        mctx->get_rq()->build_attn(g.ctx0, g.gf, inp, k_raw, v_raw, k, v, k_rot, v_rot, il, mctx->get_n_kv());
+    }
+}
+
+void llama_rq_build_input(ggml_context * ctx, const llama_kv_cache_context * mctx, llama_rq_dfr_inputs & inp) {
+    if (mctx->rq_dfr) {
+        mctx->get_rq()->build_input(ctx, inp);
+    }
+}
+
+void llama_rq_set_input(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp) {
+    if (inp.w_rows) {
+        mctx->get_rq()->set_input(inp);
+    }
+}
+
+bool llama_rq_can_reuse(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp) {
+    return !inp.w_rows && !mctx->rq_dfr;
+}
+
+llama_rq_kv_stats llama_rq_get_kv_stats(const llama_context * ctx) {
+    return ctx && ctx->rq ? ctx->rq->stats : llama_rq_kv_stats{};
+}
+
+llama_rq_memory llama_rq_get_memory(const llama_context * ctx) {
+    llama_rq_memory m = {};
+    for (const auto & [buft, mb] : ctx->memory_breakdown()) {
+        m.model   += mb.model;
+        m.compute += mb.compute;
+    }
+    if (ctx->rq) {
+        for (const llama_kv_rq * c : ctx->rq->caches) {
+            c->memory(m);
+        }
+    }
+    m.output = ctx->buf_output ? ggml_backend_buffer_get_size(ctx->buf_output.get()) : 0;
+    return m;
+}
+
+const char * llama_rq_model_tensor_buft(const llama_model * model, const char * name) {
+    const ggml_tensor * t = model->get_tensor(name);
+    return t && t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : nullptr;
+}

@@ -1,0 +1,163 @@
+#pragma once
+
+// RotaryQuant in llama's KV cache (the types and kernels are in ggml-rq.h):
+//  - K centring / Q-K rebalancing: with the model's rotaryquant.k_center calibration (rq-calibrate) keys are cached
+//    as (k - mu)/lam and queries multiplied by lam; softmax(q.k) is unchanged (docs/k-center.md);
+//  - deferred prefill: while a sequence processes its prompt, its K/V rows are also kept in an F16 transient and its
+//    prompt attends to those exact rows; its first single-token step releases them (docs/deferred-prefill.md).
+// Both are settings of a context (llama_context_params: k_center, kv_deferred). Upstream files reach this unit
+// through a few hook lines; llama_kv_cache and llama_batch_allocr name it a friend.
+
+#include "llama-rq-types.h"
+
+#include "llama-kv-cache.h"
+
+#include "ggml-cpp.h"
+
+#include <bitset>
+#include <memory>
+#include <vector>
+
+struct gguf_context;
+struct llm_graph_context;
+class  llama_batch_allocr;
+
+// the per-layer tensors of K centring: k is cached as k*k_scale + k_bias = (k - mu)/lam, q multiplied by
+// q_scale = lam (expanded to the query heads); all null when not active
+struct llama_rq_k_center {
+    ggml_tensor * k_scale = nullptr; // [n_embd_head_k, n_head_kv]
+    ggml_tensor * k_bias  = nullptr; // [n_embd_head_k, n_head_kv]
+    ggml_tensor * q_scale = nullptr; // [n_embd_head_k, n_head]
+};
+
+// architectures whose K cache is written or read outside build_attn: neither hook reaches them
+bool llama_rq_arch_unhooked(llm_arch arch);
+
+// reads rotaryquant.k_center.* (throws with the fix on a malformed or foreign calibration)
+void llama_rq_load_k_center(const gguf_context * ctx, const llama_hparams & hparams, llama_rq_k_center_data & out);
+
+// split_simple (equal == false) or split_equal(n_ubatch, true, 0) that keeps the two phases apart: first the tokens
+// of sequences with a single token in the batch (decoding), then the rest (prompts), so that a decode step reads the
+// cache the same way whatever else was batched with it
+llama_ubatch llama_rq_split_phase(llama_batch_allocr & balloc, uint32_t n_ubatch, bool equal);
+
+class llama_kv_rq;
+
+// The KV caches constructed on this thread while a scope is alive take its settings, share one set of counters, and
+// are listed in it. llama_context opens it around create_memory: upstream's memory classes construct llama_kv_cache
+// from explicit argument lists, and this spares threading one more argument through each of them.
+class llama_rq_scope {
+public:
+    explicit llama_rq_scope(const llama_rq_params & params);
+    ~llama_rq_scope();
+
+    static llama_rq_scope * current(); // null outside a scope
+
+    const llama_rq_params params;
+    std::shared_ptr<llama_rq_ctx> ctx = std::make_shared<llama_rq_ctx>();
+
+private:
+    llama_rq_scope * prev;
+};
+
+// RotaryQuant state of one llama_kv_cache
+class llama_kv_rq {
+public:
+    // at the end of llama_kv_cache's constructor, with the settings of the scope it is built in
+    static std::shared_ptr<llama_kv_rq> create(llama_kv_cache & kv, ggml_type type_k, ggml_type type_v);
+
+    llama_kv_rq(llama_kv_cache & kv, const llama_rq_params & params, std::shared_ptr<llama_rq_ctx> ctx);
+    ~llama_kv_rq();
+
+    // K centring of model layer il (null tensors when off)
+    const llama_rq_k_center & k_center(int32_t il) const;
+
+    // cached rows (quantised or not) of layer il as F32 in the model's basis: attn_rot and K centring undone
+    ggml_tensor * to_model_basis(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * rot, int32_t il, bool is_k) const;
+    // the inverse of to_model_basis's centring step (K only)
+    ggml_tensor * k_recenter(ggml_context * ctx, ggml_tensor * cur, int32_t il) const;
+
+    // deferred prefill
+    bool deferred_on() const { return dfr_budget > 0; }
+    void batch(const llama_batch_allocr & balloc); // before a batch is split: which sequences process prompts
+    bool ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub); // after apply_ubatch; true: attend
+                                                                                   // through the transient
+    void drop_stale(); // rows whose cell was emptied or moved
+    void drop_all();
+
+    // adds this cache's K/V bytes (allocated, or what would be without no_alloc) and its own buffers' to m
+    void memory(llama_rq_memory & m) const;
+
+    void build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) const;
+    void set_input(const llama_rq_dfr_inputs & inp) const;
+
+    // writes the ubatch's raw (uncentred, unrotated) k_raw/v_raw into the transient and replaces the views k/v of the
+    // cache by F16 tensors in the model's basis with the transient rows patched in; q must then be raw too
+    void build_attn(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
+            ggml_tensor * k_raw, ggml_tensor * v_raw, ggml_tensor *& k, ggml_tensor *& v,
+            ggml_tensor * k_rot, ggml_tensor * v_rot, int32_t il, uint32_t n_kv) const;
+
+private:
+    llama_kv_cache & kv;
+    const llama_rq_params params;
+    std::shared_ptr<llama_rq_ctx> ctx;
+    llama_rq_kv_stats & stats;
+
+    std::vector<llama_rq_k_center> kc;  // per cache layer
+    std::vector<ggml_tensor *>      k_dfr; // per cache layer: F16 [n_embd_gqa, dfr_budget + 1] (the last row takes
+    std::vector<ggml_tensor *>      v_dfr; // the tokens that keep no row), null when that side is not deferred
+
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> kc_ctxs_bufs;  // never cleared, not state
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> dfr_ctxs_bufs; // allocated while rows are used
+    std::vector<ggml_backend_buffer_type_t> dfr_bufts;
+
+    uint32_t dfr_budget      = 0;
+    size_t   dfr_row_bytes   = 0;           // one row over all layers, K and V
+    bool     dfr_full_logged = false;
+    std::vector<int32_t>   dfr_row_of_cell; // [n_stream*kv_size], -1: none
+    std::vector<int64_t>   dfr_cell_of_row; // [dfr_budget], strm*kv_size + idx; -1: free
+    std::vector<llama_pos> dfr_pos_of_row;  // the cell's position when written: a shifted cell loses its row
+    std::vector<int32_t>   dfr_free;        // free rows, lowest last
+    uint32_t               dfr_used = 0;
+    std::bitset<LLAMA_MAX_SEQ> dfr_prompt;  // sequences with more than one token in the current batch
+
+    // the current ubatch's inputs (set by ubatch())
+    std::vector<int64_t> dfr_w;     // [n_tokens] transient row of each token
+    std::vector<int32_t> dfr_rows;  // transient rows visible to the ubatch
+    std::vector<int64_t> dfr_cells; // ... and their cells in the attended view
+
+    void init_k_center(ggml_type type_k);
+    void init_deferred(ggml_type type_k, ggml_type type_v);
+    void release(uint32_t row);
+    void add_bytes(int64_t n);
+};
+
+// one attention layer's rewrite in llm_graph_context::build_attn: K centring of q/k (and the calibration's named
+// inputs attn_q_in/attn_k_in/attn_v_in under an eval callback); for a ubatch that attends through the deferred
+// transient, q as the model computed it and K/V in the model's basis
+struct llama_rq_attn {
+    llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp,
+                  ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, int il);
+
+    // after attn_rot: the rewritten q is not read when attending through the transient
+    void raw_q(ggml_tensor *& q_cur) const { if (dfr) { q_cur = q_raw; } }
+    // after the cache views are taken: replaces them when attending through the transient
+    void kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, ggml_tensor * v_rot) const;
+
+    bool dfr = false;
+
+private:
+    const llm_graph_context & g;
+    const llama_kv_cache_context * mctx;
+    const llama_rq_dfr_inputs & inp;
+    ggml_tensor * q_raw;
+    ggml_tensor * k_raw;
+    ggml_tensor * v_raw;
+    int il;
+};
+
+// graph inputs of the deferred transient for one cache's context (no-ops when the ubatch does not attend through it)
+void llama_rq_build_input(ggml_context * ctx, const llama_kv_cache_context * mctx, llama_rq_dfr_inputs & inp);
+void llama_rq_set_input(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp);
+// a graph that attends through the transient has its own inputs: not reused
+bool llama_rq_can_reuse(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp);
