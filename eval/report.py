@@ -198,7 +198,7 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
             row = (f"{kvq['model']} ctx {ctx}: ΔPPL {iso['ppl'] - base:+.3f} (PPL {base:.2f} → {iso['ppl']:.2f}), "
                    f"KLD {iso['kld_mean']:.4f}")
             measured[key] = "; ".join(seen if row in seen else [*seen, row])
-    return [kvquality.to_markdown(kvq), *([f"![]({p})"] if p else []), ""]
+    return [kvquality.to_markdown(kvq), *([kvq["note"], ""] if kvq.get("note") else []), *([f"![]({p})"] if p else []), ""]
 
 
 def build(results: Path) -> Path:

@@ -227,3 +227,54 @@ def test_server_slots_under_load_answer_as_alone(gemma3_cal):
                         deterministic=True, progress=lambda *_: None)
     assert r.requests == 8 and r.failures == 0 and r.empty == 0
     assert r.mismatches == 0, r.examples
+
+
+def _rope_mean(b: np.ndarray, hd: int, base: float, n_pos: int) -> np.ndarray:
+    """The mean over positions 0..n_pos-1 of NEOX-RoPE(b), per head (direct sums, not the C closed form)."""
+    b = b.reshape(-1, hd).astype(np.float64)
+    mu = b.copy()
+    p = np.arange(n_pos, dtype=np.float64)
+    for j in range(hd // 2):
+        th = base ** (-2.0 * j / hd)
+        c, s = np.cos(p * th).mean(), np.sin(p * th).mean()
+        a, e = j, j + hd // 2
+        mu[:, a], mu[:, e] = c * b[:, a] - s * b[:, e], s * b[:, a] + c * b[:, e]
+    return mu
+
+
+def test_an_uncalibrated_model_with_a_k_bias_is_centred_from_the_bias(bin_dir, smollm2, tmp_path):
+    # no calibration, a 4-bit K cache, a k_proj bias (a tiny random Qwen2-MoE, head 64): the runtime centres K by
+    # the mean over the trained positions of RoPE(b_k), lam = 1. What the graph subtracts (attn_k_in - attn_k_kc)
+    # must be that mean, computed here independently from the file's biases.
+    import gguf
+
+    from rotaryquant.bindings.capture import capture
+    from rotaryquant.converter.convert import Options, convert
+    from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
+
+    tok = smollm2_hf_folder(smollm2, tmp_path / "smol-2L", n_layers=2)
+    hf = qwen2moe_toy_folder(tmp_path / "moe-hf", tok, n_experts=4)
+    model = tmp_path / "moe-f16.gguf"
+    convert(hf, model, Options(recipe="f16", progress=False))
+    r = gguf.GGUFReader(model)
+    field = lambda k: r.fields[k].contents()  # noqa: E731
+    base, n_pos = float(field("qwen2moe.rope.freq_base")), int(field("qwen2moe.context_length"))
+    hd = int(field("qwen2moe.embedding_length")) // int(field("qwen2moe.attention.head_count"))
+    bias = {t.name: np.array(t.data, np.float32) for t in r.tensors if t.name.endswith("attn_k.bias")}
+
+    got = capture(model, PROMPT, ["attn_k_in", "attn_k_kc"], type_k=bindings.type_from_name("q4_0"),
+                  type_v=bindings.type_from_name("f16"))
+    for il in range(2):
+        want = _rope_mean(bias[f"blk.{il}.attn_k.bias"], hd, base, n_pos)
+        sub = (got[f"attn_k_in-{il}"] - got[f"attn_k_kc-{il}"]).reshape(-1, *want.shape)
+        assert np.abs(want).max() > 1e-3
+        np.testing.assert_allclose(sub, np.broadcast_to(want, sub.shape), rtol=1e-4, atol=2e-6)
+    off = capture(model, PROMPT, ["attn_k_kc"], type_k=bindings.type_from_name("q4_0"),
+                  type_v=bindings.type_from_name("f16"), k_center="off")
+    assert not off  # --no-k-center: nothing rewritten
+
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
+           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "q4_0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "K centring = on, derived from the k_proj bias" in proc.stderr  # a WARN line: shown without -v

@@ -220,17 +220,72 @@ const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
     return kc[kv.map_layer_ids.at(il)];
 }
 
+// K centring without a calibration, from the weights: mu = the mean over positions [0, n_ctx_train) of RoPE(b_k),
+// the per-channel constant that a k_proj bias puts into every key (Qwen2.5's dominates its keys), and lam = 1.
+// The same for every context of the model, so saved states stay valid. false where the model has no K bias or a
+// RoPE this does not model.
+static bool rq_k_center_from_bias(const llama_model & model, llama_rq_k_center_data & out) {
+    const llama_hparams & hp = model.hparams;
+    if (hp.no_alloc || (hp.rope_type != LLAMA_ROPE_TYPE_NEOX && hp.rope_type != LLAMA_ROPE_TYPE_NORM)) {
+        return false;
+    }
+    const double n_pos = hp.n_ctx_train > 0 ? hp.n_ctx_train : 4096;
+    out.off.assign(hp.n_layer_all, -1);
+    for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
+        const ggml_tensor * b = il < model.layers.size() ? model.layers[il].wk_b : nullptr;
+        if (!hp.has_kv(il) || !b || b->type != GGML_TYPE_F32 || !b->buffer || ggml_nelements(b) != hp.n_embd_k_gqa(il)) {
+            if (hp.has_kv(il)) {
+                out = {};
+                return false;
+            }
+            continue;
+        }
+        std::vector<float> bias(ggml_nelements(b));
+        ggml_backend_tensor_get(b, bias.data(), 0, ggml_nbytes(b));
+        const uint32_t hd    = hp.n_embd_head_k(il);
+        const uint32_t n_rot = std::min(hp.n_rot(il), hd);
+        const double   base  = hp.is_swa(il) ? hp.rope_freq_base_train_swa  : hp.rope_freq_base_train;
+        const double   scale = hp.is_swa(il) ? hp.rope_freq_scale_train_swa : hp.rope_freq_scale_train;
+        out.off[il] = (int32_t) out.mu.size();
+        std::vector<float> mu = bias;
+        for (uint32_t h = 0; h < hp.n_head_kv(il); ++h) {
+            float * m = mu.data() + h*hd;
+            const float * x = bias.data() + h*hd;
+            for (uint32_t j = 0; j < n_rot/2; ++j) {
+                // pair (a, b) turns by p*theta at position p: its mean is (C a - S b, S a + C b)
+                const uint32_t a = hp.rope_type == LLAMA_ROPE_TYPE_NEOX ? j : 2*j;
+                const uint32_t c = hp.rope_type == LLAMA_ROPE_TYPE_NEOX ? j + n_rot/2 : 2*j + 1;
+                const double theta = scale*std::pow(base, -2.0*j/n_rot);
+                const double half  = std::sin(theta/2);
+                const double amp   = std::fabs(half) < 1e-12 ? 1.0 : std::sin(n_pos*theta/2)/(n_pos*half);
+                const double C = amp*std::cos((n_pos - 1)*theta/2);
+                const double S = amp*std::sin((n_pos - 1)*theta/2);
+                m[a] = (float) (C*x[a] - S*x[c]);
+                m[c] = (float) (S*x[a] + C*x[c]);
+            }
+        }
+        out.mu.insert(out.mu.end(), mu.begin(), mu.end());
+    }
+    out.lam.assign(out.mu.size(), 1.0f);
+    return !out.mu.empty();
+}
+
 void llama_kv_rq::init_k_center(ggml_type type_k) {
     const llama_model   & model   = kv.model;
     const llama_hparams & hparams = kv.hparams;
-    const auto & cal = model.rq_k_center;
 
-    const bool quantized = ggml_is_quantized(type_k);
+    // measured: uncalibrated 3- and 4-bit K caches break models whose keys carry large per-channel offsets (Qwen2.5
+    // repeats one word with isoquant3_0 or q4_0 K); 8-bit K keeps their quality
+    const bool   quantized = ggml_is_quantized(type_k);
+    const double bpv       = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
+    const bool   needs     = quantized && bpv < 6.0;
+
+    llama_rq_k_center_data derived;
+    const bool from_bias = model.rq_k_center.off.empty() && params.k_center != LLAMA_K_CENTER_OFF && needs &&
+                           rq_k_center_from_bias(model, derived);
+    const auto & cal = from_bias ? derived : model.rq_k_center;
     if (cal.off.empty()) {
-        // measured: uncalibrated 3- and 4-bit K caches break models whose keys carry large per-channel offsets
-        // (Qwen2.5 repeats one word with isoquant3_0 or q4_0 K); 8-bit K keeps their quality
-        const double bpv = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
-        if (quantized && bpv < 6.0) {
+        if (needs) {
             LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration, and a %s K cache "
                 "(%.2f bits/value) loses much of the model's quality without it on many models; run rq-calibrate on "
                 "the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
@@ -326,8 +381,14 @@ void llama_kv_rq::init_k_center(ggml_type type_k) {
             ggml_backend_tensor_set(kc[i].q_scale, q.data(), 0, ggml_nbytes(kc[i].q_scale));
         }
     }
-    LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
+    if (from_bias) {
+        LLAMA_LOG_WARN("%s: K centring = on, derived from the k_proj bias (the model has no rotaryquant.k_center "
+            "calibration; %d of %d layers): run rq-calibrate on the model file once for the calibrated statistics\n",
             __func__, n_cal, (int) kv.layers.size());
+    } else {
+        LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
+                __func__, n_cal, (int) kv.layers.size());
+    }
 }
 
 ggml_tensor * llama_kv_rq::to_model_basis(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * rot, int32_t il, bool is_k) const {
