@@ -244,8 +244,8 @@ def _rope_mean(b: np.ndarray, hd: int, base: float, n_pos: int) -> np.ndarray:
 
 def test_an_uncalibrated_model_with_a_k_bias_is_centred_from_the_bias(bin_dir, smollm2, tmp_path):
     # no calibration, a 4-bit K cache, a k_proj bias (a tiny random Qwen2-MoE, head 64): the runtime centres K by
-    # the mean over the trained positions of RoPE(b_k), lam = 1. What the graph subtracts (attn_k_in - attn_k_kc)
-    # must be that mean, computed here independently from the file's biases.
+    # the mean over positions 0..min(trained, 4096)-1 of RoPE(b_k), lam = 1. What the graph subtracts
+    # (attn_k_in - attn_k_kc) must be that mean, computed here independently from the file's biases.
     import gguf
 
     from rotaryquant.bindings.capture import capture
@@ -258,7 +258,7 @@ def test_an_uncalibrated_model_with_a_k_bias_is_centred_from_the_bias(bin_dir, s
     convert(hf, model, Options(recipe="f16", progress=False))
     r = gguf.GGUFReader(model)
     field = lambda k: r.fields[k].contents()  # noqa: E731
-    base, n_pos = float(field("qwen2moe.rope.freq_base")), int(field("qwen2moe.context_length"))
+    base, n_pos = float(field("qwen2moe.rope.freq_base")), min(int(field("qwen2moe.context_length")), 4096)
     hd = int(field("qwen2moe.embedding_length")) // int(field("qwen2moe.attention.head_count"))
     bias = {t.name: np.array(t.data, np.float32) for t in r.tensors if t.name.endswith("attn_k.bias")}
 
