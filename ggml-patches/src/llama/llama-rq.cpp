@@ -207,11 +207,10 @@ void llama_kv_rq::memory(llama_rq_memory & m) const {
     }
     m.kv_k += kv.size_k_bytes();
     m.kv_v += kv.size_v_bytes();
-    for (const auto & bufs : { &kc_ctxs_bufs, &dfr_ctxs_bufs }) {
-        for (const auto & [c, buf] : *bufs) {
-            for (ggml_tensor * t = ggml_get_first_tensor(c.get()); t; t = ggml_get_next_tensor(c.get(), t)) {
-                m.kv_other += bufs == &dfr_ctxs_bufs ? 0 : ggml_nbytes(t); // the transient only while rows are used:
-            }                                                              // deferred_bytes counts it
+    // the K-centring tensors; not the deferred transient, which exists only while rows are used (deferred_bytes)
+    for (const auto & [c, buf] : kc_ctxs_bufs) {
+        for (ggml_tensor * t = ggml_get_first_tensor(c.get()); t; t = ggml_get_next_tensor(c.get(), t)) {
+            m.kv_other += ggml_nbytes(t);
         }
     }
 }

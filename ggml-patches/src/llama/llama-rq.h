@@ -43,9 +43,9 @@ llama_ubatch llama_rq_split_phase(llama_batch_allocr & balloc, uint32_t n_ubatch
 
 class llama_kv_rq;
 
-// The KV caches constructed on this thread while a scope is alive take its settings, share one set of counters, and
-// are listed in it. llama_context opens it around create_memory: upstream's memory classes construct llama_kv_cache
-// from explicit argument lists, and this spares threading one more argument through each of them.
+// The KV caches constructed on this thread while a scope is alive take its settings and join its llama_rq_ctx (one
+// set of counters, the list of the caches). llama_context opens it around create_memory: upstream's memory classes
+// construct llama_kv_cache from explicit argument lists, and this spares threading one more argument through each.
 class llama_rq_scope {
 public:
     explicit llama_rq_scope(const llama_rq_params & params);
