@@ -180,11 +180,11 @@ class EvalCallback:
             raise self.errors[0]
 
 
-def capture(model: Path | str, prompt: str, names: Iterable[str], *, type_k: int, type_v: int,
+def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *, type_k: int, type_v: int,
             iso_unfused: bool = False, k_center: str = "auto", n_ctx: int = 512,
             threads: int = 2) -> dict[str, np.ndarray]:
-    """Run the prompt once; return the contiguous F32 tensors whose names start with one of ``names``
-    (flat, the first of each name)."""
+    """Run the prompt (text, or token ids decoded as one batch) once; return the contiguous F32 tensors whose
+    names start with one of ``names`` (flat, the first of each name)."""
     prefixes = tuple(names)
     out: dict[str, np.ndarray] = {}
 
@@ -201,6 +201,8 @@ def capture(model: Path | str, prompt: str, names: Iterable[str], *, type_k: int
     try:
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_threads, cp.n_threads_batch = n_ctx, threads, threads
+        if not isinstance(prompt, str):
+            cp.n_batch = cp.n_ubatch = max(len(prompt), 1)
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cb.install(cp)
@@ -209,10 +211,13 @@ def capture(model: Path | str, prompt: str, names: Iterable[str], *, type_k: int
         if not ctx:
             raise RuntimeError("llama_init_from_model failed (see the log above)")
         try:
-            vocab = L.llama_model_get_vocab(model_p)
-            data = prompt.encode()
-            toks = (L.llama_token * (len(data) + 8))()
-            n = L.llama_tokenize(vocab, data, len(data), toks, len(toks), True, False)
+            if isinstance(prompt, str):
+                vocab = L.llama_model_get_vocab(model_p)
+                data = prompt.encode()
+                toks = (L.llama_token * (len(data) + 8))()
+                n = L.llama_tokenize(vocab, data, len(data), toks, len(toks), True, False)
+            else:
+                toks, n = (L.llama_token * len(prompt))(*prompt), len(prompt)
             rc = L.llama_decode(ctx, L.llama_batch_get_one(toks, n))
             cb.raise_pending()
             if rc != 0:

@@ -130,7 +130,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
     try:
         llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                               n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
-                              type_v=tv, logits_all=False, verbose=False,
+                              type_v=tv, logits_all=False, verbose=False, kv_layer_types=kvtypes.layer_types(cache),
                               **bindings.llama_kwargs(k_center="auto" if kvtypes.k_center(cache) else "off",
                                                       deferred=deferred))
     except (ValueError, RuntimeError) as e:
@@ -177,21 +177,24 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     if any(deferred) and any(c != BASELINE for c in cache_types) and not deferred_supported():
         raise DecodeError("deferred prefill is not in this build (llama_context_params has no kv_deferred)",
                           fix="re-run `make setup`, or use --deferred off")
+    from rotaryquant.plan.accounting import kv_bits_per_value
+
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
+    bits = kv_bits_per_value(model, [BASELINE, *cache_types], n_ctx=max(prefill) + tokens)
     rows = []
     t_start = time.time()
     for n in prefill:
         targets = np.asarray(toks[n:n + tokens + 1])
         progress(f"[rq-eval decode] prefill {n}: {BASELINE} baseline")
         base = run_once(model, toks, n=n, m=tokens, cache=BASELINE, threads=threads)
-        rows.append(_row(n, BASELINE, False, base, score(base["logits"], base["logits"], targets), tokens))
+        rows.append(_row(n, BASELINE, False, base, score(base["logits"], base["logits"], targets), tokens, bits))
         for spec in cache_types:
             if spec == BASELINE:
                 continue
             for d in deferred:
                 progress(f"[rq-eval decode] prefill {n}: {spec}{' deferred' if d else ''}")
                 r = run_once(model, toks, n=n, m=tokens, cache=spec, deferred=d, threads=threads)
-                row = _row(n, spec, d, r, score(base["logits"], r["logits"], targets), tokens)
+                row = _row(n, spec, d, r, score(base["logits"], r["logits"], targets), tokens, bits)
                 rows.append(row)
                 progress(f"[rq-eval decode]   mean KLD {row['kld_mean']:.5f}, step-0 KLD {row['kld_step0']:.5f}, "
                          f"same top-1 {row['same_top1_pct']:.1f}%, prefill {row['prefill_tps'] or 0:.1f} t/s, "
@@ -202,8 +205,8 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
             "n_batch": N_BATCH, "seconds": round(time.time() - t_start), "rows": rows}
 
 
-def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int) -> dict:
-    return {"prefill": n, "cache": cache, "deferred": deferred, **s,
+def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dict[str, float]) -> dict:
+    return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": round(bits[cache], 3), **s,
             "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
             "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
             "counters": r["counters"]}
@@ -217,9 +220,9 @@ def to_markdown(res: dict) -> str:
              "prefill's own logits (predicting token N), steps 1.."
              f"{m} are decode steps. PPL: those {m + 1} tokens under the run's own logits. Deferred: the "
              "prompt attends an exact F16 copy of its K/V until the first decode step.", "",
-             "| prefill N | cache | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL | step-0 KLD "
-             "| prefill t/s | decode t/s |",
-             "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
+             "| step-0 KLD | prefill t/s | decode t/s |",
+             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     notes = set()
     for r in res["rows"]:
         if r["cache"] == BASELINE:
@@ -233,7 +236,8 @@ def to_markdown(res: dict) -> str:
         else:
             d = "off"
         tps = [("–" if x is None else f"{x:.1f}") for x in (r["prefill_tps"], r["decode_tps"])]
-        lines.append(f"| {r['prefill']} | {r['cache']} | {d} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} "
+        bpv = "–" if r.get("bits_per_value") is None else f"{r['bits_per_value']:.3f}"
+        lines.append(f"| {r['prefill']} | {r['cache']} | {bpv} | {d} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} "
                      f"| {r['kld_max']:.5f} | {r['same_top1_pct']:.1f} | {r['ppl']:.3f} | {r['kld_step0']:.5f} "
                      f"| {tps[0]} | {tps[1]} |")
     return "\n".join(lines + ([""] + sorted(notes) if notes else [])) + "\n"

@@ -132,6 +132,9 @@ def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list
         env["LLAMA_K_CENTER"] = "0"  # "+calib" runs use the model's calibration (when it has one)
     if unfused:
         env["LLAMA_ISOQUANT_UNFUSED"] = "1"
+    env.pop("LLAMA_KV_LAYER_TYPES", None)
+    if kvtypes.layer_types(cache_type):
+        env["LLAMA_KV_LAYER_TYPES"] = kvtypes.layer_types(cache_type)  # llama-bench has no flag for it
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise BenchError(f"llama-bench failed for {cache_type} (exit {proc.returncode}): {proc.stderr[-1500:]}")
@@ -185,8 +188,8 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
                 r.extra["tg_deferred_over_plain"] = r.tg_tps / plain.tg_tps
             if plain and plain.pp_tps and r.pp_tps:
                 r.extra["pp_deferred_over_plain"] = r.pp_tps / plain.pp_tps
-        if r.label.endswith(kvtypes.CALIB):
-            plain = next((b for b in rows if b.label == r.label[: -len(kvtypes.CALIB)] and b.depth == r.depth), None)
+        if kvtypes.suffix(r.label):
+            plain = next((b for b in rows if b.label == r.label[: -len(kvtypes.suffix(r.label))] and b.depth == r.depth), None)
             if plain and plain.tg_tps and r.tg_tps:
                 r.extra["tg_calib_over_plain"] = r.tg_tps / plain.tg_tps
             if plain and plain.pp_tps and r.pp_tps:

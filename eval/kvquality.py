@@ -16,15 +16,18 @@ from rotaryquant.eval import perplexity
 
 def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks: int, unfused: bool = False,
         deferred: bool = False, threads: int = 2, progress=print) -> dict:
+    from rotaryquant.plan.accounting import kv_bits_per_value
+
     rows = []
     t0 = time.time()
+    bits = kv_bits_per_value(model, ["f16", *kv_types], n_ctx=max(ctxs))
     with tempfile.TemporaryDirectory(prefix="rq-kld-") as tmp:
         for ctx in ctxs:
             base_file = Path(tmp) / f"base-{ctx}.kld"
             progress(f"[rq-eval] ctx {ctx}: f16 KV baseline")
             base = perplexity.run(model, text, label="f16", ctx=ctx, chunks=chunks, kld_base=base_file, save_base=True,
                                   threads=threads)
-            rows.append({"ctx": ctx, "unfused": False, "deferred": False, **base.as_dict()})
+            rows.append({"ctx": ctx, "unfused": False, "deferred": False, "bits_per_value": bits["f16"], **base.as_dict()})
             runs = [(t, False, False) for t in kv_types if t != "f16"]
             if deferred:  # each type's deferred run beside its plain one: the contrast is the point
                 runs = [r for t, _, _ in runs for r in ((t, False, False), (t, False, True))]
@@ -35,7 +38,7 @@ def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks
                 progress(f"[rq-eval] ctx {ctx}: {label}")
                 r = perplexity.run(model, text, label=label, ctx=ctx, chunks=chunks, cache_type=t, unfused=unf,
                                    deferred=dfr, kld_base=base_file, threads=threads)
-                rows.append({"ctx": ctx, "unfused": unf, "deferred": dfr, **r.as_dict()})
+                rows.append({"ctx": ctx, "unfused": unf, "deferred": dfr, "bits_per_value": bits[t], **r.as_dict()})
             base_file.unlink()
     return {"model": model.name, "text": text.name, "chunks": chunks, "seconds": round(time.time() - t0), "rows": rows}
 
@@ -46,11 +49,11 @@ def to_markdown(res: dict) -> str:
 
     lines = [f"## KV-cache quality: {res['model']}", "",
              f"Text {res['text']}, {res['chunks']} chunks per context; KLD against the F16-KV run of the same model.", "",
-             "| ctx | cache | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % | s |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| ctx | cache | bits/value | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % | s |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     base = {r["ctx"]: r["ppl"] for r in res["rows"] if r["label"] == "f16"}
     for r in res["rows"]:
-        lines.append(f"| {r['ctx']} | {r['label']} | {r['ppl']:.3f} | {r['ppl'] - base[r['ctx']]:+.3f} | {f(r['kld_mean'])} "
+        lines.append(f"| {r['ctx']} | {r['label']} | {f(r.get('bits_per_value'), 3)} | {r['ppl']:.3f} | {r['ppl'] - base[r['ctx']]:+.3f} | {f(r['kld_mean'])} "
                      f"| {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} | {r['seconds']:.0f} |")
     deferred = [r for r in res["rows"] if r.get("deferred")]
     if deferred:

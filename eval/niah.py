@@ -15,7 +15,9 @@ from pathlib import Path
 
 from rotaryquant.errors import RQError
 
-KEYS = ("blue lantern", "silver harbour", "green falcon", "amber gate")
+KEYS = ("blue lantern", "silver harbour", "green falcon", "amber gate", "copper bell", "quiet meadow",
+        "iron compass", "velvet river")
+N_NEEDLES = 8
 
 
 class NiahError(RQError):
@@ -31,11 +33,19 @@ class NiahResult:
     asked: int
     answers: list[str]
     seconds: float
+    seed: int = 42
+    bits_per_value: float | None = None
 
 
-def needles(seed: int) -> list[tuple[str, str]]:
+def needles(seed: int, n: int = N_NEEDLES) -> list[tuple[str, str]]:
     rng = random.Random(seed)
-    return [(k, str(rng.randrange(1_000_000, 10_000_000))) for k in KEYS]
+    return [(k, str(rng.randrange(1_000_000, 10_000_000))) for k in KEYS[:n]]
+
+
+def haystack_offset(seed: int, text_len: int, ctx: int) -> int:
+    """Where seed's haystack starts in the text (42: the start, as the first runs had it)."""
+    room = max(text_len - 8 * ctx, 0)
+    return 0 if seed == 42 or room == 0 else random.Random(seed * 7919).randrange(room) // 1000 * 1000
 
 
 def build_prompt(llm, haystack_text: str, ctx: int, depth: float, pairs: list[tuple[str, str]],
@@ -56,28 +66,36 @@ def build_prompt(llm, haystack_text: str, ctx: int, depth: float, pairs: list[tu
 
 
 def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int], depths: list[float],
-        seed: int = 42, threads: int = 2, max_answer: int = 12, progress=print) -> dict:
+        seeds: tuple[int, ...] = (42,), n_needles: int = N_NEEDLES, threads: int = 2, max_answer: int = 12,
+        progress=print) -> dict:
+    """Every (cache, context, seed, depth): one haystack prefill, then each needle asked from a saved copy of that
+    state. Seeds change the numbers and where in the text the haystack starts."""
     import llama_cpp
 
     from rotaryquant.bindings import type_from_name
     from rotaryquant import kvtypes
 
+    from rotaryquant.plan.accounting import kv_bits_per_value
+
+    if not 1 <= n_needles <= len(KEYS):
+        raise NiahError(f"{n_needles} needles asked for; give 1 to {len(KEYS)}")
     text = haystack.read_text(errors="replace")
     results: list[NiahResult] = []
-    pairs = needles(seed)
+    bits = kv_bits_per_value(model, cache_types, n_ctx=max(ctxs))
     for cache in cache_types:
         tk, tv = (type_from_name(x) for x in kvtypes.split(cache))
         for ctx in ctxs:
-            llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seed,
+            llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seeds[0],
                                   flash_attn=True, type_k=tk, type_v=tv, verbose=False,
-                                  k_center=kvtypes.k_center(cache))
+                                  k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache))
             limit = llama_cpp.llama_model_n_ctx_train(llm.model)
             if ctx > limit:
                 raise NiahError(f"context {ctx} is larger than the model's training context {limit}")
-            for depth in depths:
+            for seed, depth in ((s, d) for s in seeds for d in depths):
                 t0 = time.time()
-                progress(f"[rq-eval niah] {cache} ctx {ctx} depth {depth:.0%}")
-                prompt = build_prompt(llm, text, ctx, depth, pairs)
+                pairs = needles(seed, n_needles)
+                progress(f"[rq-eval niah] {cache} ctx {ctx} seed {seed} depth {depth:.0%}")
+                prompt = build_prompt(llm, text[haystack_offset(seed, len(text), ctx):], ctx, depth, pairs)
                 llm.reset()
                 llm.eval(prompt)
                 state = llm.save_state()
@@ -97,22 +115,30 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
                     ans = llm.detokenize(out).decode(errors="replace")
                     answers.append(ans.strip())
                     found += value in ans.replace(",", "").replace(" ", "")
-                results.append(NiahResult(cache, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1)))
+                results.append(NiahResult(cache, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1),
+                                          seed, round(bits[cache], 3)))
             del llm
-    return {"model": model.name, "seed": seed, "needles": pairs, "rows": [asdict(r) for r in results]}
+    return {"model": model.name, "seeds": list(seeds), "needles": {s: needles(s, n_needles) for s in seeds},
+            "rows": [asdict(r) for r in results]}
 
 
 def to_markdown(res: dict) -> str:
     depths = sorted({r["depth"] for r in res["rows"]})
+    seeds = res.get("seeds", [res.get("seed", 42)])
+    n = len(next(iter(res["needles"].values()))) if isinstance(res["needles"], dict) else len(res["needles"])
     lines = [f"## Needle in a haystack: {res['model']}", "",
-             f"{len(res['needles'])} numeric needles (seed {res['seed']}) at each depth; found / asked, greedy.", "",
-             "| cache | ctx | " + " | ".join(f"depth {d:.0%}" for d in depths) + " |",
-             "|---|---:|" + "---:|" * len(depths)]
+             f"{n} numeric needles per haystack, seeds {', '.join(map(str, seeds))} (numbers and haystack start), "
+             "at each depth; found / asked over the seeds, greedy.", "",
+             "| cache | bits/value | ctx | " + " | ".join(f"depth {d:.0%}" for d in depths) + " | total |",
+             "|---|---:|---:|" + "---:|" * (len(depths) + 1)]
     keys = sorted({(r["cache"], r["ctx"]) for r in res["rows"]}, key=lambda k: (k[1], k[0]))
     for cache, ctx in keys:
+        rows = [x for x in res["rows"] if x["cache"] == cache and x["ctx"] == ctx]
         cells = []
         for d in depths:
-            r = next(x for x in res["rows"] if x["cache"] == cache and x["ctx"] == ctx and x["depth"] == d)
-            cells.append(f"{r['found']}/{r['asked']}")
-        lines.append(f"| {cache} | {ctx} | " + " | ".join(cells) + " |")
+            at = [x for x in rows if x["depth"] == d]
+            cells.append(f"{sum(x['found'] for x in at)}/{sum(x['asked'] for x in at)}")
+        total = f"{sum(x['found'] for x in rows)}/{sum(x['asked'] for x in rows)}"
+        bpv = rows[0].get("bits_per_value")
+        lines.append(f"| {cache} | {'–' if bpv is None else f'{bpv:.3f}'} | {ctx} | " + " | ".join(cells) + f" | {total} |")
     return "\n".join(lines) + "\n"

@@ -70,7 +70,7 @@ def parse_output(label: str, text: str) -> PplResult:
 
 DEFERRED_ENV = "LLAMA_KV_DEFERRED"  # deferred prefill: 1 = the prompt attends an F16 copy of its own K/V
 # settings the parent environment must not leak into a run: each run sets its own
-_CLEARED_ENV = ("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_K_CENTER", DEFERRED_ENV)
+_CLEARED_ENV = ("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_K_CENTER", "LLAMA_KV_LAYER_TYPES", DEFERRED_ENV)
 
 
 def command(model: Path, text_file: Path, *, ctx: int = 512, chunks: int = 20, cache_type: str = "f16",
@@ -83,6 +83,8 @@ def command(model: Path, text_file: Path, *, ctx: int = 512, chunks: int = 20, c
            "-ctv", kvtypes.split(cache_type)[1]]
     if not kvtypes.k_center(cache_type):
         cmd += ["--no-k-center"]
+    if kvtypes.layer_types(cache_type):
+        cmd += ["--kv-layer-types", kvtypes.layer_types(cache_type)]
     if batch:
         cmd += ["-b", str(batch)]
     if kld_base is not None:

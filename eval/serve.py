@@ -139,6 +139,8 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
            *(extra or [])]
     if not kvtypes.k_center(cache):
         cmd.append("--no-k-center")
+    if kvtypes.layer_types(cache):
+        cmd += ["--kv-layer-types", kvtypes.layer_types(cache)]
     with launch(cmd, env=env, start_timeout=start_timeout) as (base, pid, _log):
         yield Server(base, pid)
 

@@ -1,23 +1,46 @@
-"""KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type), with an
-optional "+calib" suffix: use the model's K-cache calibration (rq-calibrate). Without it, runs pass
---no-k-center, so the same calibrated file measures both sides of the A/B in one run."""
+"""KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type), optionally
+"@LAYERS" with per-layer types over those (llama.cpp's --kv-layer-types, items separated by ";" here so that a
+list of specs can be comma-separated: "isoquant3_0@full=q8_0/isoquant3_0;0-1=q8_0"), and an
+optional "+calib" or "+self" suffix: K centring on, as llama.cpp runs by default. "+calib" reads: the model's
+K-cache calibration (rq-calibrate); "+self" reads: the file has none, the runtime measures its own (the same
+switch; the label says which statistics a row used). Without a suffix, runs pass --no-k-center, so the same
+file measures both sides of the A/B in one run."""
 
 from __future__ import annotations
 
 from rotaryquant.bindings.ggml import ISO_TYPES  # the IsoQuant KV types
 
 CALIB = "+calib"
+SELF = "+self"
+
+
+def suffix(spec: str) -> str:
+    """The K-centring suffix of a spec ("" when K centring is off)."""
+    s = spec.strip()
+    return next((x for x in (CALIB, SELF) if s.endswith(x)), "")
 
 
 def k_center(spec: str) -> bool:
-    return spec.strip().endswith(CALIB)
+    return bool(suffix(spec))
+
+
+def _body(spec: str) -> tuple[str, str]:
+    s = spec.strip()
+    s = s[: -len(suffix(s))] if suffix(s) else s
+    base, _, layers = s.partition("@")
+    return base.strip(), layers.strip()
 
 
 def split(spec: str) -> tuple[str, str]:
-    s = spec.strip()
-    s = s[: -len(CALIB)] if s.endswith(CALIB) else s
-    k, _, v = s.partition("/")
+    """The context's K and V types (before any per-layer types)."""
+    k, _, v = _body(spec)[0].partition("/")
     return k.strip(), (v or k).strip()
+
+
+def layer_types(spec: str) -> str | None:
+    """The per-layer types as llama.cpp takes them (kv_layer_types / --kv-layer-types), None when there are none."""
+    layers = _body(spec)[1]
+    return layers.replace(";", ",") if layers else None
 
 
 def validate(spec: str) -> str:
@@ -25,8 +48,17 @@ def validate(spec: str) -> str:
 
     for t in split(spec):
         type_from_name(t)
+    for item in filter(None, (_body(spec)[1] or "").split(";")):
+        sel, eq, types = item.partition("=")
+        if not eq or not sel.strip():
+            raise ValueError(f"{spec}: per-layer item {item!r} is not LAYERS=K[/V]")
+        for t in types.split("/"):
+            type_from_name(t.strip())
     return spec
 
 
 def uses_iso(spec: str) -> bool:
-    return any(t in ISO_TYPES for t in split(spec))
+    names = list(split(spec))
+    for item in filter(None, (_body(spec)[1] or "").split(";")):
+        names += item.partition("=")[2].split("/")
+    return any(t.strip() in ISO_TYPES for t in names)

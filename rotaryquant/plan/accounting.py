@@ -192,12 +192,13 @@ class NoAllocModel:
         return self._placement
 
     def context(self, spec: str, n_ctx: int, *, n_seq: int = 1, n_batch: int = N_BATCH, n_ubatch: int = N_UBATCH,
-                n_outputs: int | None = None) -> ContextCost:
+                n_outputs: int | None = None, swa_full: bool = False) -> ContextCost:
         """What llama_init_from_model allocates for cache type ``spec`` (KV, compute, output buffers).
 
         ``n_outputs``: output rows the compute graph is reserved for. llama-server reserves for n_batch
         (its buffer is that large, but only virtually) and asks for one row of logits per sequence, so
-        the pages it touches are those of a graph with ``n_seq`` outputs: the default here.
+        the pages it touches are those of a graph with ``n_seq`` outputs: the default here. ``swa_full``: SWA
+        layers hold the whole context too (llama_context_default_params' choice; llama-server's is False).
         """
         import llama_cpp as L
 
@@ -214,7 +215,9 @@ class NoAllocModel:
         cp.type_k, cp.type_v = tk, tv
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         # llama-server's choices: SWA caches sized to the window, one stream per slot (--parallel N)
-        cp.swa_full, cp.kv_unified, cp.no_perf = False, False, True
+        cp.swa_full, cp.kv_unified, cp.no_perf = swa_full, False, True
+        layers = kvtypes.layer_types(spec)
+        cp.kv_layer_types = layers.encode() if layers else None  # read while the context is built, below
         cp.n_threads = cp.n_threads_batch = 1
         cp.n_outputs_max = n_outputs or n_seq
         # K centring is a setting of the context (llama_context_params.k_center): "+calib" specs use the
@@ -251,3 +254,20 @@ def dry_run(gguf: Path, specs: Sequence[str], *, n_ctx: int, n_seq: int = 1) -> 
         contexts = {spec: m.context(spec, n_ctx, n_seq=n_seq) for spec in specs}
         placement = m.placement
     return DryRun(placement, contexts, time.perf_counter() - t0)
+
+
+def kv_bits_per_value(gguf: Path, specs: list[str], n_ctx: int = 4096) -> dict[str, float]:
+    """Bits per cached K/V value of each cache spec on this model: its K+V bytes over the values they hold (an F32
+    cache's bytes / 4), every layer holding the whole context (so: the average over layers, weighted by each
+    layer's K/V width, per-layer types included). Dry contexts: nothing is allocated."""
+    with NoAllocModel(gguf) as m:
+        f32 = m.context("f32", n_ctx, swa_full=True)
+        if f32.error:
+            raise PlanError(f"{gguf.name}: {f32.error}")
+        out = {}
+        for spec in specs:
+            c = m.context(spec, n_ctx, swa_full=True)
+            if c.error:
+                raise PlanError(f"KV spec {spec!r}: {c.error}")
+            out[spec] = 32.0 * c.kv / f32.kv
+        return out

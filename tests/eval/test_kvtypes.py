@@ -13,6 +13,7 @@ def test_specs_split_and_carry_the_calibration_switch():
     assert kvtypes.split("q8_0/isoquant3_0+calib") == ("q8_0", "isoquant3_0")
     assert kvtypes.split("q4_0") == ("q4_0", "q4_0")
     assert kvtypes.k_center("isoquant3_0+calib") and not kvtypes.k_center("isoquant3_0")
+    assert kvtypes.split("isoquant3_0+self") == ("isoquant3_0", "isoquant3_0") and kvtypes.k_center("q4_0+self")
     assert kvtypes.uses_iso("q8_0/isoquant3_0+calib") and not kvtypes.uses_iso("q4_0+calib")
     with pytest.raises(RQTypeError):
         kvtypes.validate("q5_9+calib")

@@ -156,12 +156,16 @@ def test_kshift_on_a_centred_cache(gemma3_cal, text_file):
     assert shifted - fresh < 0.03, (fresh, shifted)  # uncalibrated isoquant3_0: +0.008 (test_kshift.py)
 
 
-def test_state_save_and_load_continue_identically(gemma3_cal, text_file):
+@pytest.mark.parametrize("calibrated", [True, False], ids=["calibrated", "self-calibrated"])
+def test_state_save_and_load_continue_identically(gemma3, gemma3_cal, text_file, calibrated):
+    # self-calibrated: the second Llama loads the model again and measures mu/lam again; the state saved by the first
+    # must still continue bit for bit (the statistics depend on the model only)
     import llama_cpp
 
-    ids = _eval_ids(gemma3_cal, text_file, 96)
+    model = gemma3_cal if calibrated else gemma3
+    ids = _eval_ids(model, text_file, 96)
     t = llama_cpp.GGML_TYPE_ISOQUANT3_0
-    kw = dict(model_path=str(gemma3_cal), n_ctx=512, n_threads=2, logits_all=True, verbose=False, flash_attn=True,
+    kw = dict(model_path=str(model), n_ctx=512, n_threads=2, logits_all=True, verbose=False, flash_attn=True,
               type_k=t, type_v=t)
     one = llama_cpp.Llama(**kw)
     one.eval(ids[:64])
@@ -194,17 +198,22 @@ def test_log_says_which_mode_is_active(bin_dir, smollm2, smol_cal):
 
 
 def test_an_uncalibrated_low_bit_k_cache_warns_at_the_default_log_level(bin_dir, smollm2):
-    # a new user's first run: no -v, no calibration, a 3-bit K cache; the log must say why quality may suffer
+    # a new user's first run: no -v, no calibration, a 3-bit K cache; the log must say what the runtime does about it
     cmd = [str(bin_dir / "llama-completion"), "-m", str(smollm2), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
            "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0"]
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_K_CENTER", "LLAMA_ARG_NO_K_CENTER")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    warn = [ln for ln in proc.stderr.splitlines() if "K centring = off" in ln]
-    assert warn and "isoquant3_64 K cache" in warn[0] and "run rq-calibrate" in warn[0], proc.stderr[-3000:]
+    on = [ln for ln in proc.stderr.splitlines() if "K centring = on, self-calibrated" in ln]
+    assert on and "rq-calibrate" in on[0] and "30 of 30 layers" in on[0], proc.stderr[-3000:]
+    off = subprocess.run([*cmd, "--no-k-center"], capture_output=True, text=True, timeout=300, env=env)
+    warn = [ln for ln in off.stderr.splitlines() if "K centring = off" in ln]
+    assert off.returncode == 0 and warn and "isoquant3_64 K cache" in warn[0], off.stderr[-3000:]
+    assert "self-calibrated" not in off.stderr
     q8 = subprocess.run([*cmd[:-4], "-ctk", "q8_0", "-ctv", "q8_0"], capture_output=True, text=True, timeout=300,
                         env=env)
     assert q8.returncode == 0 and "K centring = off" not in q8.stderr  # 8-bit K keeps quality: no warning
+    assert "self-calibrated" not in q8.stderr  # ... and no measuring pass
 
 
 def test_calibration_of_another_model_is_refused_at_load(bin_dir, gemma3, smol_cal, tmp_path):
@@ -229,25 +238,30 @@ def test_server_slots_under_load_answer_as_alone(gemma3_cal):
     assert r.mismatches == 0, r.examples
 
 
-def _rope_mean(b: np.ndarray, hd: int, base: float, n_pos: int) -> np.ndarray:
-    """The mean over positions 0..n_pos-1 of NEOX-RoPE(b), per head (direct sums, not the C closed form)."""
-    b = b.reshape(-1, hd).astype(np.float64)
-    mu = b.copy()
-    p = np.arange(n_pos, dtype=np.float64)
-    for j in range(hd // 2):
-        th = base ** (-2.0 * j / hd)
-        c, s = np.cos(p * th).mean(), np.sin(p * th).mean()
-        a, e = j, j + hd // 2
-        mu[:, a], mu[:, e] = c * b[:, a] - s * b[:, e], s * b[:, a] + c * b[:, e]
-    return mu
+def _self_tokens(model) -> list[int]:
+    """The token stream of the runtime's self-calibration (llama-rq.cpp), rebuilt here: BOS, then ordinary tokens
+    drawn by std::mt19937(20260401) (numpy's legacy MT19937 seeding is the same generator)."""
+    import llama_cpp as L
+
+    m = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
+    try:
+        vocab = L.llama_model_get_vocab(m)
+        n_tok = min(1024, L.llama_model_n_ctx_train(m))
+        ordinary = [t for t in range(L.llama_vocab_n_tokens(vocab))
+                    if L.llama_vocab_get_attr(vocab, t) & L.LLAMA_TOKEN_ATTR_NORMAL]
+        toks = [L.llama_vocab_bos(vocab)] if L.llama_vocab_get_add_bos(vocab) else []
+    finally:
+        L.llama_model_free(m)
+    bg = np.random.MT19937(0)
+    bg._legacy_seeding(20260401)
+    raw = bg.random_raw(n_tok - len(toks))
+    return toks + [ordinary[int(r) % len(ordinary)] for r in raw]
 
 
-def test_an_uncalibrated_model_with_a_k_bias_is_centred_from_the_bias(bin_dir, smollm2, tmp_path):
-    # no calibration, a 4-bit K cache, a k_proj bias (a tiny random Qwen2-MoE, head 64): the runtime centres K by
-    # the mean over positions 0..min(trained, 4096)-1 of RoPE(b_k), lam = 1. What the graph subtracts
-    # (attn_k_in - attn_k_kc) must be that mean, computed here independently from the file's biases.
-    import gguf
-
+def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
+    # no calibration, a 4-bit K cache (a tiny random Qwen2-MoE, head 64): the runtime measures mu/lam itself from
+    # one F16 pass over its pseudo-random tokens. What the graph does to K (attn_k_kc = attn_k_in/lam - mu/lam) must
+    # be rq-calibrate's statistics (LayerStats), computed here independently from the same tokens.
     from rotaryquant.bindings.capture import capture
     from rotaryquant.converter.convert import Options, convert
     from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
@@ -256,25 +270,25 @@ def test_an_uncalibrated_model_with_a_k_bias_is_centred_from_the_bias(bin_dir, s
     hf = qwen2moe_toy_folder(tmp_path / "moe-hf", tok, n_experts=4)
     model = tmp_path / "moe-f16.gguf"
     convert(hf, model, Options(recipe="f16", progress=False))
-    r = gguf.GGUFReader(model)
-    field = lambda k: r.fields[k].contents()  # noqa: E731
-    base, n_pos = float(field("qwen2moe.rope.freq_base")), min(int(field("qwen2moe.context_length")), 4096)
-    hd = int(field("qwen2moe.embedding_length")) // int(field("qwen2moe.attention.head_count"))
-    bias = {t.name: np.array(t.data, np.float32) for t in r.tensors if t.name.endswith("attn_k.bias")}
 
-    got = capture(model, PROMPT, ["attn_k_in", "attn_k_kc"], type_k=bindings.type_from_name("q4_0"),
-                  type_v=bindings.type_from_name("f16"))
+    ids = _self_tokens(model)
+    f16 = bindings.type_from_name("f16")
+    ref = capture(model, ids, ["attn_k_in", "attn_q_in"], type_k=f16, type_v=f16, n_ctx=len(ids))
+    got = capture(model, PROMPT, ["attn_k_in", "attn_k_kc"], type_k=bindings.type_from_name("q4_0"), type_v=f16)
     for il in range(2):
-        want = _rope_mean(bias[f"blk.{il}.attn_k.bias"], hd, base, n_pos)
-        sub = (got[f"attn_k_in-{il}"] - got[f"attn_k_kc-{il}"]).reshape(-1, *want.shape)
-        assert np.abs(want).max() > 1e-3
-        np.testing.assert_allclose(sub, np.broadcast_to(want, sub.shape), rtol=1e-4, atol=2e-6)
-    off = capture(model, PROMPT, ["attn_k_kc"], type_k=bindings.type_from_name("q4_0"),
-                  type_v=bindings.type_from_name("f16"), k_center="off")
+        k_in, k_kc = got[f"attn_k_in-{il}"], got[f"attn_k_kc-{il}"]
+        st = kcenter.LayerStats(n_head_kv=ref[f"attn_k_in-{il}"].size // (len(ids) * 64), head_dim=64)
+        st.add_k(ref[f"attn_k_in-{il}"].reshape(len(ids), st.n_head_kv, 64))
+        st.add_q(ref[f"attn_q_in-{il}"].reshape(len(ids), -1, 64))
+        mu, lam = st.derive()
+        k_in, k_kc = k_in.reshape(-1, *mu.shape), k_kc.reshape(-1, *mu.shape)
+        assert np.abs(mu).max() > 1e-3 and np.abs(lam - 1).max() > 1e-2  # both parts of the rewrite are at work
+        np.testing.assert_allclose(k_kc, (k_in - mu) / lam, rtol=2e-4, atol=2e-5)
+    off = capture(model, PROMPT, ["attn_k_kc"], type_k=bindings.type_from_name("q4_0"), type_v=f16, k_center="off")
     assert not off  # --no-k-center: nothing rewritten
 
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
            "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "q4_0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "K centring = on, derived from the k_proj bias" in proc.stderr  # a WARN line: shown without -v
+    assert "K centring = on, self-calibrated" in proc.stderr  # a WARN line: shown without -v

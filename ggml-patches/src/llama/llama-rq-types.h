@@ -6,6 +6,8 @@
 #include "llama.h"
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 struct ggml_tensor;
@@ -16,14 +18,20 @@ struct llama_rq_params {
     bool    iso_unfused = false;               // IsoQuant K/V dequantised to F16 before attention
     int32_t k_center    = LLAMA_K_CENTER_AUTO; // enum llama_k_center
     int64_t kv_deferred = 0;                   // deferred prefill budget in cells: 0 off, -1 the whole cache
+    int32_t n_threads   = 0;                   // the context's batch threads (the self-calibration pass uses them)
+    std::string kv_layer_types;                // per-layer K/V cache types (llama.h: kv_layer_types)
 };
 
 // rotaryquant.k_center.* as loaded from the GGUF (written by rq-calibrate): per layer the offset of its
 // [n_head_kv][n_embd_head_k] block in mu/lam, -1 where the layer has none; empty when the model is not calibrated
+struct llama_rq_k_center_self;
 struct llama_rq_k_center_data {
     std::vector<int32_t> off;
     std::vector<float>   mu;
     std::vector<float>   lam;
+
+    // an uncalibrated model's self-calibration (llama-rq.cpp), measured once for all contexts of the model
+    std::shared_ptr<llama_rq_k_center_self> self;
 };
 
 // graph inputs of a ubatch that attends through the deferred-prefill transient; all null otherwise

@@ -7,12 +7,15 @@
 #include "llama-model.h"
 
 #include "ggml-backend.h"
+#include "ggml-rq.h"
 #include "gguf.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <mutex>
+#include <random>
 #include <stdexcept>
 
 bool llama_rq_arch_unhooked(llm_arch arch) {
@@ -54,10 +57,93 @@ llama_rq_scope * llama_rq_scope::current() {
 }
 
 //
+// per-layer cache types
+//
+
+static ggml_type rq_kv_type_from_name(const std::string & name) {
+    static const ggml_type plain[] = { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
+                                       GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1 };
+    for (ggml_type t : plain) {
+        if (name == ggml_type_name(t)) {
+            return t;
+        }
+    }
+    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
+        if (ggml_rq_type_is_iso((ggml_type) t) && name == ggml_type_name((ggml_type) t)) {
+            return (ggml_type) t;
+        }
+    }
+    throw std::runtime_error("kv_layer_types: unknown cache type '" + name + "' (f16, q8_0, q4_0, isoquant3_0, ...)");
+}
+
+// a type the layer's heads can take; the 128-wide IsoQuant types resolve to their 64-wide siblings on 64-wide heads
+static ggml_type rq_kv_type_for_head(ggml_type t, uint32_t head, uint32_t il, const char * kv) {
+    if (ggml_rq_type_is_iso(t) && head == 64 && ggml_rq_iso_qk(t) == 128) {
+        return ggml_rq_iso_type(ggml_rq_iso_bits(t), 64);
+    }
+    if (head % ggml_blck_size(t) != 0 || (ggml_rq_type_is_iso(t) && ggml_rq_iso_qk(t) == 64 && head != 64)) {
+        throw std::runtime_error(format("kv_layer_types: layer %u has %s head size %u, which %s cannot take; use "
+            "another type for it, e.g. %s", il, kv, head, ggml_type_name(t), head % 32 == 0 ? "q8_0" : "f16"));
+    }
+    return t;
+}
+
+std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hp, uint32_t il, ggml_type type_k, ggml_type type_v) {
+    const llama_rq_scope * scope = llama_rq_scope::current();
+    const std::string spec = scope ? scope->params.kv_layer_types : "";
+    std::pair<ggml_type, ggml_type> res { type_k, type_v };
+    bool named = false;
+    size_t pos = 0;
+    while (pos < spec.size()) {
+        size_t end = spec.find(',', pos);
+        end = end == std::string::npos ? spec.size() : end;
+        const std::string item = spec.substr(pos, end - pos);
+        pos = end + 1;
+        const size_t eq = item.find('=');
+        if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
+            throw std::runtime_error("kv_layer_types: '" + item + "' is not LAYERS=K[/V] (e.g. full=q8_0/isoquant3_0)");
+        }
+        const std::string sel = item.substr(0, eq), types = item.substr(eq + 1);
+        bool hit;
+        if (sel == "*") {
+            hit = true;
+        } else if (sel == "swa" || sel == "full") {
+            hit = hp.is_swa(il) == (sel == "swa");
+        } else {
+            char * e1 = nullptr;
+            const long a = strtol(sel.c_str(), &e1, 10);
+            long b = a;
+            if (*e1 == '-') {
+                char * e2 = nullptr;
+                b = strtol(e1 + 1, &e2, 10);
+                e1 = e2;
+            }
+            if (*e1 != '\0' || e1 == sel.c_str() || a < 0 || b < a || b >= (long) hp.n_layer()) {
+                throw std::runtime_error(format("kv_layer_types: '%s' is not a layer, a range N-M within 0-%u, swa, "
+                    "full or *", sel.c_str(), hp.n_layer() - 1));
+            }
+            hit = (long) il >= a && (long) il <= b;
+        }
+        if (hit) {
+            const size_t sl = types.find('/');
+            res.first  = rq_kv_type_from_name(types.substr(0, sl));
+            res.second = sl == std::string::npos ? res.first : rq_kv_type_from_name(types.substr(sl + 1));
+            named = true;
+        }
+    }
+    if (named) {
+        res.first  = rq_kv_type_for_head(res.first,  hp.n_embd_head_k(il), il, "K");
+        res.second = rq_kv_type_for_head(res.second, hp.n_embd_head_v(il), il, "V");
+    }
+    return res;
+}
+
+//
 // K-centring calibration in the GGUF (stock builds ignore the unknown keys)
 //
 
 void llama_rq_load_k_center(const gguf_context * ctx, const llama_hparams & hparams, llama_rq_k_center_data & out) {
+    out.self = std::make_shared<llama_rq_k_center_self>();
     const int kid_ver = gguf_find_key(ctx, "rotaryquant.k_center.version");
     if (kid_ver < 0) {
         return;
@@ -183,6 +269,26 @@ std::shared_ptr<llama_kv_rq> llama_kv_rq::create(llama_kv_cache & kv, ggml_type 
     auto rq = std::make_shared<llama_kv_rq>(kv, scope ? scope->params : llama_rq_params{},
                                             scope ? scope->ctx : std::make_shared<llama_rq_ctx>());
     if (!kv.other) { // a cache that views another's cells leaves both hooks to the owner
+        // with per-layer types, the fewest bits per value decide (a quantised type has fewer than F16)
+        auto bpv = [](ggml_type t) { return 8.0*ggml_type_size(t)/ggml_blck_size(t); };
+        std::string mixed;
+        if (!kv.layers.empty()) {
+            type_k = kv.layers[0].k->type;
+            type_v = kv.layers[0].v ? kv.layers[0].v->type : type_v;
+        }
+        for (const auto & layer : kv.layers) {
+            const ggml_type tk = layer.k->type, tv = layer.v ? layer.v->type : type_v;
+            type_k = bpv(tk) < bpv(type_k) ? tk : type_k;
+            type_v = bpv(tv) < bpv(type_v) ? tv : type_v;
+            if (layer.v && ggml_is_quantized(tv) && kv.v_trans) {
+                throw std::runtime_error(format("kv_layer_types: layer %d has a quantised V cache (%s), which needs flash "
+                    "attention: use -fa on", layer.il, ggml_type_name(tv)));
+            }
+            mixed += format("%s%d:%s/%s", mixed.empty() ? "" : " ", layer.il, ggml_type_name(tk), ggml_type_name(tv));
+        }
+        if (rq->params.kv_layer_types.size()) {
+            LLAMA_LOG_INFO("%s: per-layer K/V types (%s): %s\n", __func__, rq->params.kv_layer_types.c_str(), mixed.c_str());
+        }
         rq->init_k_center(type_k);
         rq->init_deferred(type_k, type_v);
     }
@@ -219,56 +325,213 @@ const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
     return kc[kv.map_layer_ids.at(il)];
 }
 
-// K centring without a calibration, from the weights: mu = the mean over positions [0, P) of RoPE(b_k), the
-// per-channel constant that a k_proj bias puts into every key (Qwen2.5's dominates its keys), and lam = 1. P = 4096
-// (n_ctx_train if smaller): the positions a typical context holds; averaging over Qwen's 32K trained positions
-// cancels bias channels that barely turn within a real context (KLD at 2K 0.124 vs 0.091 with 4096). Fixed per
-// model, not per context, so saved states stay valid. false where the model has no K bias or a RoPE this does not
-// model.
-static bool rq_k_center_from_bias(const llama_model & model, llama_rq_k_center_data & out) {
-    const llama_hparams & hp = model.hparams;
-    if (hp.no_alloc || (hp.rope_type != LLAMA_ROPE_TYPE_NEOX && hp.rope_type != LLAMA_ROPE_TYPE_NORM)) {
+// K centring without a calibration, measured from the model itself: one forward pass (F16 cache) over
+// RQ_SELF_TOKENS pseudo-random ordinary tokens after BOS, with rq-calibrate's statistics (mu = mean of post-RoPE K,
+// lam = sqrt(max|K - mu| / max|Q|) per channel). The constant part of K comes from the weights and the model's
+// massive activations, not from what the text says: measured on Gemma3-270M (no K bias), 2K KLD of isoquant3_0
+// 0.534 uncentred, 0.093 with 1024 random tokens, 0.119 with 256 tokens of Shakespeare, 0.079 with rq-calibrate's
+// 4096. The tokens come from a fixed mt19937 stream (portable), so the statistics depend on the model only and saved
+// states stay valid; computed once per model and shared by its contexts.
+static constexpr uint32_t RQ_SELF_TOKENS = 1024;
+static constexpr float    RQ_LAM_MIN = 1.0f/256, RQ_LAM_MAX = 256.0f; // rq-calibrate's clip (converter/kcenter.py)
+
+struct llama_rq_k_center_self {
+    std::mutex             mtx;
+    bool                   done = false;
+    double                 secs = 0.0;
+    uint32_t               n_tokens = 0;
+    llama_rq_k_center_data data; // off empty: not measured (no BOS-led ordinary tokens, or the pass failed)
+};
+
+namespace {
+struct rq_kc_layer {
+    int64_t             n = 0;
+    std::vector<double> sum;
+    std::vector<float>  kmin, kmax, qmax; // [n_head_kv*hd]
+};
+
+struct rq_kc_collect {
+    const llama_hparams &    hp;
+    std::vector<rq_kc_layer> layers;
+    std::vector<uint8_t>     buf;
+    bool                     bad = false;
+};
+}
+
+// strided read of an F32 [hd, n_head, n_tokens] view: f(token, head, channel, value)
+template <typename F>
+static void rq_read_f32(const ggml_tensor * t, std::vector<uint8_t> & buf, F && f) {
+    buf.resize(ggml_nbytes(t));
+    ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
+    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2) {
+        for (int64_t i1 = 0; i1 < t->ne[1]; ++i1) {
+            const uint8_t * row = buf.data() + i1*t->nb[1] + i2*t->nb[2];
+            for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
+                f(i2, i1, i0, *(const float *) (row + i0*t->nb[0]));
+            }
+        }
+    }
+}
+
+static bool rq_kc_cb(ggml_tensor * t, bool ask, void * ud) {
+    auto * c = (rq_kc_collect *) ud;
+    const bool is_k = strncmp(t->name, "attn_k_in-", 10) == 0;
+    const bool is_q = strncmp(t->name, "attn_q_in-", 10) == 0;
+    if (ask || (!is_k && !is_q)) {
+        return is_k || is_q;
+    }
+    const int il = atoi(t->name + 10);
+    if (t->type != GGML_TYPE_F32 || t->ne[3] != 1 || il < 0 || (size_t) il >= c->layers.size() || !c->hp.has_kv(il)) {
+        c->bad = c->bad || is_k;
+        return true;
+    }
+    const int64_t hd = c->hp.n_embd_head_k(il), nkv = c->hp.n_head_kv(il);
+    auto & L = c->layers[il];
+    if (L.sum.empty()) {
+        L.sum.assign(hd*nkv, 0.0);
+        L.kmin.assign(hd*nkv, INFINITY);
+        L.kmax.assign(hd*nkv, -INFINITY);
+        L.qmax.assign(hd*nkv, 0.0f);
+    }
+    if (t->ne[0] != hd || (is_k && t->ne[1] != nkv) || (is_q && t->ne[1] % nkv != 0)) {
+        c->bad = true;
+        return true;
+    }
+    if (is_k) {
+        L.n += t->ne[2];
+        rq_read_f32(t, c->buf, [&](int64_t, int64_t h, int64_t j, float x) {
+            const int64_t i = h*hd + j;
+            L.sum[i] += x;
+            L.kmin[i] = std::min(L.kmin[i], x);
+            L.kmax[i] = std::max(L.kmax[i], x);
+        });
+    } else {
+        const int64_t g = t->ne[1]/nkv; // query head h reads KV head h/g
+        rq_read_f32(t, c->buf, [&](int64_t, int64_t h, int64_t j, float x) {
+            float & m = L.qmax[(h/g)*hd + j];
+            m = std::max(m, std::fabs(x));
+        });
+    }
+    return true;
+}
+
+// drops llama's INFO/DEBUG lines while the pass builds its own context (the caller has already said what it does)
+struct rq_log_quiet {
+    ggml_log_callback prev_cb = nullptr;
+    void *            prev_ud = nullptr;
+    rq_log_quiet()  { llama_log_get(&prev_cb, &prev_ud); llama_log_set(filter, this); }
+    ~rq_log_quiet() { llama_log_set(prev_cb, prev_ud); }
+    static void filter(ggml_log_level level, const char * text, void * ud) {
+        auto * q = (rq_log_quiet *) ud;
+        if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && q->prev_cb) {
+            q->prev_cb(level, text, q->prev_ud);
+        }
+    }
+};
+
+static bool rq_k_center_self_measure(const llama_model & model, int32_t n_threads, llama_rq_k_center_self & out) {
+    const llama_hparams & hp    = model.hparams;
+    const llama_vocab   & vocab = model.vocab;
+    const uint32_t n_tok = std::min<uint32_t>(RQ_SELF_TOKENS, hp.n_ctx_train > 0 ? hp.n_ctx_train : RQ_SELF_TOKENS);
+
+    std::vector<llama_token> ordinary;
+    for (llama_token t = 0; t < (llama_token) vocab.n_tokens(); ++t) {
+        if (vocab.token_get_attr(t) & LLAMA_TOKEN_ATTR_NORMAL) {
+            ordinary.push_back(t);
+        }
+    }
+    if (ordinary.size() < 16) {
         return false;
     }
-    const double n_pos = hp.n_ctx_train > 0 ? std::min(hp.n_ctx_train, 4096u) : 4096;
-    out.off.assign(hp.n_layer_all, -1);
+    std::vector<llama_token> toks;
+    if (vocab.get_add_bos() && vocab.token_bos() != LLAMA_TOKEN_NULL) {
+        toks.push_back(vocab.token_bos());
+    }
+    std::mt19937 rng(20260401);
+    while (toks.size() < n_tok) {
+        toks.push_back(ordinary[rng() % ordinary.size()]);
+    }
+
+    rq_kc_collect col { hp, std::vector<rq_kc_layer>(hp.n_layer_all), {}, false };
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx       = n_tok;
+    cp.n_batch     = n_tok;
+    cp.n_ubatch    = n_tok;
+    cp.n_seq_max   = 1;
+    cp.type_k      = GGML_TYPE_F16;
+    cp.type_v      = GGML_TYPE_F16;
+    cp.k_center    = LLAMA_K_CENTER_OFF;
+    cp.kv_deferred = 0;
+    cp.no_perf     = true;
+    cp.cb_eval           = rq_kc_cb;
+    cp.cb_eval_user_data = &col;
+    if (n_threads > 0) {
+        cp.n_threads = cp.n_threads_batch = n_threads;
+    }
+    {
+        rq_log_quiet quiet;
+        llama_context * lctx = llama_init_from_model(const_cast<llama_model *>(&model), cp);
+        if (!lctx) {
+            return false;
+        }
+        llama_batch b = llama_batch_init((int32_t) toks.size(), 0, 1);
+        for (size_t i = 0; i < toks.size(); ++i) {
+            b.token[i]     = toks[i];
+            b.pos[i]       = (llama_pos) i;
+            b.n_seq_id[i]  = 1;
+            b.seq_id[i][0] = 0;
+            b.logits[i]    = i + 1 == toks.size(); // K and Q are computed for every token; one output spares the head
+        }
+        b.n_tokens = (int32_t) toks.size();
+        const int32_t rc = llama_decode(lctx, b);
+        llama_batch_free(b);
+        llama_free(lctx);
+        if (rc != 0 || col.bad) {
+            return false;
+        }
+    }
+
+    auto & d = out.data;
+    d.off.assign(hp.n_layer_all, -1);
     for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
-        const ggml_tensor * b = il < model.layers.size() ? model.layers[il].wk_b : nullptr;
-        if (!hp.has_kv(il) || !b || b->type != GGML_TYPE_F32 || !b->buffer || ggml_nelements(b) != hp.n_embd_k_gqa(il)) {
-            if (hp.has_kv(il)) {
-                out = {};
-                return false;
-            }
+        const rq_kc_layer & L = col.layers[il];
+        if (L.n == 0) {
             continue;
         }
-        std::vector<float> bias(ggml_nelements(b));
-        ggml_backend_tensor_get(b, bias.data(), 0, ggml_nbytes(b));
-        const uint32_t hd    = hp.n_embd_head_k(il);
-        const uint32_t n_rot = std::min(hp.n_rot(il), hd);
-        const double   base  = hp.is_swa(il) ? hp.rope_freq_base_train_swa  : hp.rope_freq_base_train;
-        const double   scale = hp.is_swa(il) ? hp.rope_freq_scale_train_swa : hp.rope_freq_scale_train;
-        out.off[il] = (int32_t) out.mu.size();
-        std::vector<float> mu = bias;
-        for (uint32_t h = 0; h < hp.n_head_kv(il); ++h) {
-            float * m = mu.data() + h*hd;
-            const float * x = bias.data() + h*hd;
-            for (uint32_t j = 0; j < n_rot/2; ++j) {
-                // pair (a, b) turns by p*theta at position p: its mean is (C a - S b, S a + C b)
-                const uint32_t a = hp.rope_type == LLAMA_ROPE_TYPE_NEOX ? j : 2*j;
-                const uint32_t c = hp.rope_type == LLAMA_ROPE_TYPE_NEOX ? j + n_rot/2 : 2*j + 1;
-                const double theta = scale*std::pow(base, -2.0*j/n_rot);
-                const double half  = std::sin(theta/2);
-                const double amp   = std::fabs(half) < 1e-12 ? 1.0 : std::sin(n_pos*theta/2)/(n_pos*half);
-                const double C = amp*std::cos((n_pos - 1)*theta/2);
-                const double S = amp*std::sin((n_pos - 1)*theta/2);
-                m[a] = (float) (C*x[a] - S*x[c]);
-                m[c] = (float) (S*x[a] + C*x[c]);
-            }
+        d.off[il] = (int32_t) d.mu.size();
+        for (size_t i = 0; i < L.sum.size(); ++i) {
+            const float mu   = (float) (L.sum[i]/L.n);
+            const float kdev = std::max(L.kmax[i] - mu, mu - L.kmin[i]);
+            const float lam  = std::sqrt(std::max(kdev, 1e-6f)/std::max(L.qmax[i], 1e-6f));
+            d.mu.push_back(mu);
+            d.lam.push_back(std::clamp(lam, RQ_LAM_MIN, RQ_LAM_MAX));
         }
-        out.mu.insert(out.mu.end(), mu.begin(), mu.end());
     }
-    out.lam.assign(out.mu.size(), 1.0f);
-    return !out.mu.empty();
+    if (d.mu.empty()) {
+        d = {};
+        return false;
+    }
+    out.n_tokens = (uint32_t) toks.size();
+    return true;
+}
+
+// the model's self-calibration, measured on first use (false: not available for this model)
+static const llama_rq_k_center_self * rq_k_center_self(const llama_model & model, int32_t n_threads) {
+    llama_rq_k_center_self * s = model.rq_k_center.self.get();
+    if (!s || model.hparams.no_alloc) {
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(s->mtx);
+    if (!s->done) {
+        LLAMA_LOG_WARN("%s: the model has no rotaryquant.k_center calibration: measuring K statistics on %u "
+            "pseudo-random tokens for K centring (once per model; rq-calibrate stores calibrated ones in the file)\n",
+            __func__, RQ_SELF_TOKENS);
+        const int64_t t0 = ggml_time_us();
+        rq_k_center_self_measure(model, n_threads, *s);
+        s->secs = (ggml_time_us() - t0)/1e6;
+        s->done = true;
+    }
+    return s->data.off.empty() ? nullptr : s;
 }
 
 void llama_kv_rq::init_k_center(ggml_type type_k) {
@@ -281,15 +544,17 @@ void llama_kv_rq::init_k_center(ggml_type type_k) {
     const double bpv       = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
     const bool   needs     = quantized && bpv < 6.0;
 
-    llama_rq_k_center_data derived;
-    const bool from_bias = model.rq_k_center.off.empty() && params.k_center != LLAMA_K_CENTER_OFF && needs &&
-                           rq_k_center_from_bias(model, derived);
-    const auto & cal = from_bias ? derived : model.rq_k_center;
+    const llama_rq_k_center_self * self = model.rq_k_center.off.empty() && params.k_center != LLAMA_K_CENTER_OFF && needs
+                                          ? rq_k_center_self(model, params.n_threads) : nullptr;
+    const auto & cal = self ? self->data : model.rq_k_center;
     if (cal.off.empty()) {
-        if (needs) {
-            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration, and a %s K cache "
-                "(%.2f bits/value) loses much of the model's quality without it on many models; run rq-calibrate on "
-                "the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
+        if (needs && params.k_center == LLAMA_K_CENTER_OFF) {
+            LLAMA_LOG_WARN("%s: K centring = off (--no-k-center, k_center = off): a %s K cache (%.2f bits/value) loses "
+                "much of the model's quality without it on many models\n", __func__, ggml_type_name(type_k), bpv);
+        } else if (needs && !hparams.no_alloc) {
+            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration and measuring one "
+                "failed; a %s K cache (%.2f bits/value) loses much of the model's quality without it on many models: run "
+                "rq-calibrate on the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
         } else if (quantized) {
             LLAMA_LOG_INFO("%s: K centring = off (the model has no rotaryquant.k_center calibration; rq-calibrate adds it)\n", __func__);
         }
@@ -382,10 +647,10 @@ void llama_kv_rq::init_k_center(ggml_type type_k) {
             ggml_backend_tensor_set(kc[i].q_scale, q.data(), 0, ggml_nbytes(kc[i].q_scale));
         }
     }
-    if (from_bias) {
-        LLAMA_LOG_WARN("%s: K centring = on, derived from the k_proj bias (the model has no rotaryquant.k_center "
-            "calibration; %d of %d layers): run rq-calibrate on the model file once for the calibrated statistics\n",
-            __func__, n_cal, (int) kv.layers.size());
+    if (self) {
+        LLAMA_LOG_WARN("%s: K centring = on, self-calibrated (%u pseudo-random tokens, %.1f s; %d of %d layers): the "
+            "model has no rotaryquant.k_center calibration; rq-calibrate stores a better one in the file\n",
+            __func__, self->n_tokens, self->secs, n_cal, (int) kv.layers.size());
     } else {
         LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
                 __func__, n_cal, (int) kv.layers.size());

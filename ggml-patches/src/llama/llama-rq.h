@@ -30,6 +30,10 @@ struct llama_rq_k_center {
     ggml_tensor * q_scale = nullptr; // [n_embd_head_k, n_head]
 };
 
+// the K/V cache types of layer il: the context's kv_layer_types where it names the layer, else type_k/type_v (throws
+// with the fix on a spec that does not parse or a type the layer's head size cannot take)
+std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hparams, uint32_t il, ggml_type type_k, ggml_type type_v);
+
 // architectures whose K cache is written or read outside build_attn: neither hook reaches them
 bool llama_rq_arch_unhooked(llm_arch arch);
 
