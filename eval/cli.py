@@ -147,7 +147,8 @@ def cmd_ablation(ns: argparse.Namespace) -> None:
 def cmd_niah(ns: argparse.Namespace) -> None:
     res = niah.run(_model(ns, assets.ISO_MODEL), data.evaluation_text(), cache_types=_types(ns.kv),
                    ctxs=_ints(ns.ctx, "--ctx"), depths=_floats(ns.depths, "--depths"),
-                   seeds=tuple(_ints(ns.seeds, "--seeds")), n_needles=ns.needles, threads=ns.threads)
+                   seeds=tuple(_ints(ns.seeds, "--seeds")), n_needles=ns.needles, deferred=ns.deferred,
+                   threads=ns.threads)
     _write(ns.out, res, niah.to_markdown(res))
 
 
@@ -303,6 +304,8 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     n.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths")
     n.add_argument("--seeds", default="42", help="seeds: each sets the numbers and where the haystack starts")
     n.add_argument("--needles", type=int, default=niah.N_NEEDLES, help=f"needles per haystack (1-{len(niah.KEYS)})")
+    n.add_argument("--deferred", choices=("off", "also", "only"), default="off",
+                   help="run each non-f16 type (also / only) with deferred prefill (label 'TYPE deferred')")
 
     g = add("gate", "12-prompt quality gate (instruction model): pass/fail per KV type", cmd_gate, out="gate",
             model="GGUF of an instruction model (default: Qwen2.5-Coder-1.5B-Instruct, the optional asset; "

@@ -66,10 +66,12 @@ def build_prompt(llm, haystack_text: str, ctx: int, depth: float, pairs: list[tu
 
 
 def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int], depths: list[float],
-        seeds: tuple[int, ...] = (42,), n_needles: int = N_NEEDLES, threads: int = 2, max_answer: int = 12,
-        progress=print) -> dict:
+        seeds: tuple[int, ...] = (42,), n_needles: int = N_NEEDLES, deferred: str = "off", threads: int = 2,
+        max_answer: int = 12, progress=print) -> dict:
     """Every (cache, context, seed, depth): one haystack prefill, then each needle asked from a saved copy of that
-    state. Seeds change the numbers and where in the text the haystack starts."""
+    state. Seeds change the numbers and where in the text the haystack starts. deferred "also" / "only": each
+    non-f16 cache (also / only) runs with deferred prefill (label "TYPE deferred"): the haystack and each question are computed with exact F16
+    attention and written to the compressed cache; the answer's tokens read it."""
     import llama_cpp
 
     from rotaryquant.bindings import type_from_name
@@ -82,19 +84,25 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
     text = haystack.read_text(errors="replace")
     results: list[NiahResult] = []
     bits = kv_bits_per_value(model, cache_types, n_ctx=max(ctxs))
-    for cache in cache_types:
+    if deferred not in ("off", "also", "only"):
+        raise NiahError(f"deferred={deferred!r}: give off, also or only")
+    modes = {"off": (False,), "also": (False, True), "only": (True,)}[deferred]
+    runs = [(c, d) for c in cache_types for d in ((False,) if c == "f16" else modes)]
+    for cache, dfr in runs:
+        label = cache + (" deferred" if dfr else "")
         tk, tv = (type_from_name(x) for x in kvtypes.split(cache))
         for ctx in ctxs:
             llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seeds[0],
                                   flash_attn=True, type_k=tk, type_v=tv, verbose=False,
-                                  k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache))
+                                  k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache),
+                                  kv_deferred=dfr)
             limit = llama_cpp.llama_model_n_ctx_train(llm.model)
             if ctx > limit:
                 raise NiahError(f"context {ctx} is larger than the model's training context {limit}")
             for seed, depth in ((s, d) for s in seeds for d in depths):
                 t0 = time.time()
                 pairs = needles(seed, n_needles)
-                progress(f"[rq-eval niah] {cache} ctx {ctx} seed {seed} depth {depth:.0%}")
+                progress(f"[rq-eval niah] {label} ctx {ctx} seed {seed} depth {depth:.0%}")
                 prompt = build_prompt(llm, text[haystack_offset(seed, len(text), ctx):], ctx, depth, pairs)
                 llm.reset()
                 llm.eval(prompt)
@@ -115,7 +123,7 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
                     ans = llm.detokenize(out).decode(errors="replace")
                     answers.append(ans.strip())
                     found += value in ans.replace(",", "").replace(" ", "")
-                results.append(NiahResult(cache, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1),
+                results.append(NiahResult(label, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1),
                                           seed, round(bits[cache], 3)))
             del llm
     return {"model": model.name, "seeds": list(seeds), "needles": {s: needles(s, n_needles) for s in seeds},

@@ -201,6 +201,21 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
     return [kvquality.to_markdown(kvq), *([kvq["note"], ""] if kvq.get("note") else []), *([f"![]({p})"] if p else []), ""]
 
 
+def _frontier_section(results: Path) -> list[str]:
+    """Bits/value vs KLD vs needles, per model that has rows recording bits_per_value (eval/frontier.py)."""
+    from rotaryquant.eval import frontier
+
+    models = sorted({json.loads(f.read_text()).get("model") for f in results.glob("niah*.json")} - {None})
+    out: list[str] = []
+    for model in models:
+        pts = frontier.collect(results, model)
+        if sum(p.kld is not None for p in pts) < 2:
+            continue
+        png = _plot(results / f"kv-frontier-{Path(model).stem}.png", lambda ax: frontier.draw(ax, pts, model))
+        out += [frontier.to_markdown(pts, model), f"![]({png})", ""]
+    return out
+
+
 def build(results: Path) -> Path:
     results.mkdir(parents=True, exist_ok=True)
     measured: dict[str, str] = {}
@@ -274,6 +289,7 @@ def build(results: Path) -> Path:
         measured["niah"] = "; ".join(f"{c} @{x}: {f}/{a}" for (c, x), (f, a) in sorted(by.items(), key=lambda k: (k[0][1], k[0][0])))
     else:
         body += ["## Needle in a haystack", "", "_not run: `rq-eval niah`_", ""]
+    body += _frontier_section(results)
 
     gate_files = sorted(results.glob("gate*.json"))
     for f in gate_files:
