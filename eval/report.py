@@ -211,7 +211,7 @@ def _frontier_section(results: Path) -> list[str]:
         pts = frontier.collect(results, model)
         if sum(p.kld is not None for p in pts) < 2:
             continue
-        png = _plot(results / f"kv-frontier-{Path(model).stem}.png", lambda ax: frontier.draw(ax, pts, model))
+        png = _plot(results / f"kv-frontier-{Path(model).stem}.png", lambda ax, pts=pts, model=model: frontier.draw(ax, pts, model))
         out += [frontier.to_markdown(pts, model), f"![]({png})", ""]
     return out
 
