@@ -177,10 +177,10 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     if any(deferred) and any(c != BASELINE for c in cache_types) and not deferred_supported():
         raise DecodeError("deferred prefill is not in this build (llama_context_params has no kv_deferred)",
                           fix="re-run `make setup`, or use --deferred off")
-    from rotaryquant.plan.accounting import kv_bits_per_value
+    from rotaryquant.plan.accounting import kv_bits_or_none
 
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
-    bits = kv_bits_per_value(model, [BASELINE, *cache_types], n_ctx=max(prefill) + tokens)
+    bits = kv_bits_or_none(model, [BASELINE, *cache_types], max(prefill) + tokens, progress)
     rows = []
     t_start = time.time()
     for n in prefill:
@@ -206,7 +206,7 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
 
 
 def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dict[str, float]) -> dict:
-    return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": round(bits[cache], 3), **s,
+    return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": None if cache not in bits else round(bits[cache], 3), **s,
             "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
             "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
             "counters": r["counters"]}

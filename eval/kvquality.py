@@ -16,18 +16,18 @@ from rotaryquant.eval import perplexity
 
 def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks: int, unfused: bool = False,
         deferred: bool = False, threads: int = 2, progress=print) -> dict:
-    from rotaryquant.plan.accounting import kv_bits_per_value
+    from rotaryquant.plan.accounting import kv_bits_or_none
 
     rows = []
     t0 = time.time()
-    bits = kv_bits_per_value(model, ["f16", *kv_types], n_ctx=max(ctxs))
+    bits = kv_bits_or_none(model, ["f16", *kv_types], max(ctxs), progress)
     with tempfile.TemporaryDirectory(prefix="rq-kld-") as tmp:
         for ctx in ctxs:
             base_file = Path(tmp) / f"base-{ctx}.kld"
             progress(f"[rq-eval] ctx {ctx}: f16 KV baseline")
             base = perplexity.run(model, text, label="f16", ctx=ctx, chunks=chunks, kld_base=base_file, save_base=True,
                                   threads=threads)
-            rows.append({"ctx": ctx, "unfused": False, "deferred": False, "bits_per_value": bits["f16"], **base.as_dict()})
+            rows.append({"ctx": ctx, "unfused": False, "deferred": False, "bits_per_value": bits.get("f16"), **base.as_dict()})
             runs = [(t, False, False) for t in kv_types if t != "f16"]
             if deferred:  # each type's deferred run beside its plain one: the contrast is the point
                 runs = [r for t, _, _ in runs for r in ((t, False, False), (t, False, True))]
@@ -38,7 +38,7 @@ def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks
                 progress(f"[rq-eval] ctx {ctx}: {label}")
                 r = perplexity.run(model, text, label=label, ctx=ctx, chunks=chunks, cache_type=t, unfused=unf,
                                    deferred=dfr, kld_base=base_file, threads=threads)
-                rows.append({"ctx": ctx, "unfused": unf, "deferred": dfr, "bits_per_value": bits[t], **r.as_dict()})
+                rows.append({"ctx": ctx, "unfused": unf, "deferred": dfr, "bits_per_value": bits.get(t), **r.as_dict()})
             base_file.unlink()
     return {"model": model.name, "text": text.name, "chunks": chunks, "seconds": round(time.time() - t0), "rows": rows}
 

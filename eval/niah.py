@@ -77,13 +77,13 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
     from rotaryquant.bindings import type_from_name
     from rotaryquant import kvtypes
 
-    from rotaryquant.plan.accounting import kv_bits_per_value
+    from rotaryquant.plan.accounting import kv_bits_or_none
 
     if not 1 <= n_needles <= len(KEYS):
         raise NiahError(f"{n_needles} needles asked for; give 1 to {len(KEYS)}")
     text = haystack.read_text(errors="replace")
     results: list[NiahResult] = []
-    bits = kv_bits_per_value(model, cache_types, n_ctx=max(ctxs))
+    bits = kv_bits_or_none(model, cache_types, max(ctxs), progress)
     if deferred not in ("off", "also", "only"):
         raise NiahError(f"deferred={deferred!r}: give off, also or only")
     modes = {"off": (False,), "also": (False, True), "only": (True,)}[deferred]
@@ -124,7 +124,7 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
                     answers.append(ans.strip())
                     found += value in ans.replace(",", "").replace(" ", "")
                 results.append(NiahResult(label, ctx, depth, found, len(pairs), answers, round(time.time() - t0, 1),
-                                          seed, round(bits[cache], 3)))
+                                          seed, None if cache not in bits else round(bits[cache], 3)))
             del llm
     return {"model": model.name, "seeds": list(seeds), "needles": {s: needles(s, n_needles) for s in seeds},
             "rows": [asdict(r) for r in results]}

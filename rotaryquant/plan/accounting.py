@@ -271,3 +271,13 @@ def kv_bits_per_value(gguf: Path, specs: list[str], n_ctx: int = 4096) -> dict[s
                 raise PlanError(f"KV spec {spec!r}: {c.error}")
             out[spec] = 32.0 * c.kv / f32.kv
         return out
+
+
+def kv_bits_or_none(gguf: Path, specs: list[str], n_ctx: int, progress=print) -> dict[str, float]:
+    """kv_bits_per_value for a measurement's rows, which still run when the dry contexts cannot be made: the
+    rows then record no bits (and the log says why)."""
+    try:
+        return kv_bits_per_value(gguf, specs, n_ctx)
+    except PlanError as e:
+        progress(f"[rq-eval] bits/value not recorded: {e}")
+        return {}

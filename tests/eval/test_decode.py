@@ -72,10 +72,11 @@ def test_markdown_explains_the_baseline_and_flags_a_switch_without_effect():
         {**row, "prefill": 64, "cache": "q4_0", "deferred": True, "counters": {"kv_deferred_conversions": 0}}]}
     md = decode.to_markdown(res)
     assert "against the F16-KV run" in md and "step 0 is the prefill's own logits" in md
-    assert "| 64 | f16 | (baseline) |" in md
-    assert "| 64 | q4_0 | on (no effect¹) |" in md and "kv_deferred_conversions = 0" in md
+    assert "| 64 | f16 | – | (baseline) |" in md  # rows from before bits_per_value was recorded
+    assert "| 64 | q4_0 | – | on (no effect¹) |" in md and "kv_deferred_conversions = 0" in md
     res["rows"][1]["counters"] = {"kv_deferred_conversions": 1}
-    assert "| 64 | q4_0 | on |" in decode.to_markdown(res)
+    res["rows"][1]["bits_per_value"] = 4.5
+    assert "| 64 | q4_0 | 4.500 | on |" in decode.to_markdown(res)
 
 
 def test_report_picks_up_decode_results(tmp_path):
@@ -90,7 +91,7 @@ def test_report_picks_up_decode_results(tmp_path):
         (tmp_path / f"{name}.json").write_text(json.dumps(res))
     md = report.build(tmp_path).read_text()
     assert "## Decode-time KV quality: decode.gguf" in md and "## Decode-time KV quality: decode-qwen.gguf" in md
-    assert "| 2048 | q4_0 | off | 0.05000 |" in md
+    assert "| 2048 | q4_0 | – | off | 0.05000 |" in md
     assert "_not run: `rq-eval decode`_" not in md and "_not run: `rq-eval niah`_" in md
 
 
@@ -110,7 +111,8 @@ def test_gemma3_f16_is_exact_and_q4_0_is_not(gemma3):
     assert len(q4["kld_steps"]) == 9 and q4["kld_mean"] > 0 and q4["kld_max"] > 0
     assert 1 < f16["ppl"] < 1e4 and 1 < q4["ppl"] < 1e4 and q4["ppl"] != f16["ppl"]
     assert f16["prefill_tps"] > 0 and q4["decode_tps"] > 0
-    assert "| 64 | q4_0 | off |" in decode.to_markdown(res)
+    assert "| 64 | q4_0 | 4.500 | off |" in decode.to_markdown(res)
+    assert [r["bits_per_value"] for r in res["rows"]] == [16.0, 4.5]
     # a second F16 run gives the same logits bit for bit: what "step 0 equals the F16 run" relies on
     toks = decode.text_tokens(gemma3, data.evaluation_text(), 64 + 8 + 1)
     a = decode.run_once(gemma3, toks, n=64, m=2, cache="f16")["logits"]
