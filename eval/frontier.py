@@ -58,16 +58,20 @@ def to_markdown(points: list[Point], model: str) -> str:
 
 
 def draw(ax, points: list[Point], model: str) -> None:
-    """KLD (log) against bits/value; each point labelled with its needles, f16 drawn at the bottom edge."""
+    """KLD (log) against bits/value; each point labelled with its needles (and its deferred-prefill run's)."""
+    by = {p.spec: p for p in points}
     shown = [p for p in points if p.kld is not None]
     ax.scatter([p.bits for p in shown], [p.kld for p in shown],
                c=[(p.found / p.asked) if p.asked else 0.5 for p in shown], cmap="RdYlGn", vmin=0, vmax=1,
                edgecolors="black", zorder=3)
-    for p in shown:
-        tag = p.spec.replace("+self", "").replace("+calib", "*")
+    for i, p in enumerate(shown):
+        tag = p.spec.replace("+self", "").replace("+calib", "*").replace("isoquant", "iso")
         if p.asked:
             tag += f"  {p.found}/{p.asked}"
-        ax.annotate(tag, (p.bits, p.kld), fontsize=6, xytext=(4, 3), textcoords="offset points")
+        d = by.get(p.spec + " deferred")
+        if d is not None and d.asked:
+            tag += f", deferred {d.found}/{d.asked}"
+        ax.annotate(tag, (p.bits, p.kld), fontsize=6, xytext=(5, 4 if i % 2 else -9), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("bits per K/V value")
     ax.set_ylabel("mean KLD vs f16 KV")
