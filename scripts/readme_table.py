@@ -144,7 +144,8 @@ def kv_rows() -> list[tuple[str, ...]]:
          kld_pair(("kv-quality-kc-gemma3-iso4", "isoquant4_0/isoquant3_0+calib"),
                   ("kv-quality-kc-qwen-2k-iso4", "isoquant4_0/isoquant3_0+calib"))
          + f"; needles {needles('niah-kc', 'isoquant4_0/isoquant3_0+calib')}",
-         "–", f"**recommended**: {16 / iso43:.1f}× smaller than f16"),
+         "–", f"**recommended**: {16 / iso43:.1f}× smaller than f16; with `--kv-deferred`, needles "
+         f"{needles('niah-8k-gemma3-deferred', 'isoquant4_0/isoquant3_0+self deferred')} (uncalibrated file)"),
         ("KV `isoquant4_0` K and V, K calibrated", f"{bits('isoquant4_0'):g}",
          kld_pair(("kv-quality-kc-gemma3-iso4", "isoquant4_0+calib"), ("kv-quality-kc-qwen-iso4", "isoquant4_0+calib"),
                   qwen_ctx=512),
