@@ -206,7 +206,8 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
 
 
 def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dict[str, float]) -> dict:
-    return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": None if cache not in bits else round(bits[cache], 3), **s,
+    bpv = None if cache not in bits else round(bits[cache], 3)
+    return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": bpv, **s,
             "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
             "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
             "counters": r["counters"]}

@@ -70,22 +70,21 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
         max_answer: int = 12, progress=print) -> dict:
     """Every (cache, context, seed, depth): one haystack prefill, then each needle asked from a saved copy of that
     state. Seeds change the numbers and where in the text the haystack starts. deferred "also" / "only": each
-    non-f16 cache (also / only) runs with deferred prefill (label "TYPE deferred"): the haystack and each question are computed with exact F16
-    attention and written to the compressed cache; the answer's tokens read it."""
+    non-f16 cache (also / only) runs with deferred prefill (label "TYPE deferred"): the haystack and each question
+    are computed with exact F16 attention and written to the compressed cache; the answer's tokens read it."""
     import llama_cpp
 
-    from rotaryquant.bindings import type_from_name
     from rotaryquant import kvtypes
-
+    from rotaryquant.bindings import type_from_name
     from rotaryquant.plan.accounting import kv_bits_or_none
 
     if not 1 <= n_needles <= len(KEYS):
         raise NiahError(f"{n_needles} needles asked for; give 1 to {len(KEYS)}")
+    if deferred not in ("off", "also", "only"):
+        raise NiahError(f"deferred={deferred!r}: give off, also or only")
     text = haystack.read_text(errors="replace")
     results: list[NiahResult] = []
     bits = kv_bits_or_none(model, cache_types, max(ctxs), progress)
-    if deferred not in ("off", "also", "only"):
-        raise NiahError(f"deferred={deferred!r}: give off, also or only")
     modes = {"off": (False,), "also": (False, True), "only": (True,)}[deferred]
     runs = [(c, d) for c in cache_types for d in ((False,) if c == "f16" else modes)]
     for cache, dfr in runs:

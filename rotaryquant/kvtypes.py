@@ -37,6 +37,17 @@ def split(spec: str) -> tuple[str, str]:
     return k.strip(), (v or k).strip()
 
 
+def _layer_items(spec: str) -> list[tuple[str, str]]:
+    """(LAYERS, K[/V]) of each per-layer item."""
+    out = []
+    for item in filter(None, _body(spec)[1].split(";")):
+        sel, eq, types = item.partition("=")
+        if not eq or not sel.strip():
+            raise ValueError(f"{spec}: per-layer item {item!r} is not LAYERS=K[/V]")
+        out.append((sel.strip(), types.strip()))
+    return out
+
+
 def layer_types(spec: str) -> str | None:
     """The per-layer types as llama.cpp takes them (kv_layer_types / --kv-layer-types), None when there are none."""
     layers = _body(spec)[1]
@@ -48,17 +59,12 @@ def validate(spec: str) -> str:
 
     for t in split(spec):
         type_from_name(t)
-    for item in filter(None, (_body(spec)[1] or "").split(";")):
-        sel, eq, types = item.partition("=")
-        if not eq or not sel.strip():
-            raise ValueError(f"{spec}: per-layer item {item!r} is not LAYERS=K[/V]")
+    for _, types in _layer_items(spec):
         for t in types.split("/"):
             type_from_name(t.strip())
     return spec
 
 
 def uses_iso(spec: str) -> bool:
-    names = list(split(spec))
-    for item in filter(None, (_body(spec)[1] or "").split(";")):
-        names += item.partition("=")[2].split("/")
+    names = [*split(spec), *(t for _, types in _layer_items(spec) for t in types.split("/"))]
     return any(t.strip() in ISO_TYPES for t in names)

@@ -66,6 +66,24 @@ def sane_text():
     return sane
 
 
+def shift_out(llm, a: list[int], keep: int, nd: int) -> None:
+    """Evaluate ``a`` in a llama_cpp.Llama, then drop tokens [keep, keep + nd) of sequence 0 and move the rest back
+    (llama.cpp's K-shift), leaving the Llama's bookkeeping as if it had evaluated the retained tokens."""
+    import llama_cpp
+
+    llm.eval(a)
+    mem = llama_cpp.llama_get_memory(llm.ctx)
+    llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + nd)
+    llama_cpp.llama_memory_seq_add(mem, 0, keep + nd, len(a), -nd)
+    llm.n_tokens = len(a) - nd
+    llm.input_ids[: llm.n_tokens] = a[:keep] + a[keep + nd:]
+
+
+@pytest.fixture(scope="session")
+def kv_shift():
+    return shift_out
+
+
 @pytest.fixture(scope="session")
 def smollm2_f16(bin_dir, smollm2, tmp_path_factory) -> Path:
     """SmolLM2 requantised to F16: the baseline that quantisers start from (its weights are Q4_1-rounded)."""

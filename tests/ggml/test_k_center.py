@@ -126,7 +126,7 @@ def test_calibration_cuts_the_3bit_k_error(gemma3_cal, text_file):
     assert centred < 0.5 * plain, (plain, centred)
 
 
-def test_kshift_on_a_centred_cache(gemma3_cal, text_file):
+def test_kshift_on_a_centred_cache(gemma3_cal, text_file, kv_shift):
     # K-shift must un-centre, RoPE, re-centre: RoPE applied to (k - mu)/lam would wreck the keys
     import llama_cpp
 
@@ -142,12 +142,7 @@ def test_kshift_on_a_centred_cache(gemma3_cal, text_file):
         if not shift:
             llm.eval(retained + b)
             return np.array(llm.scores[len(retained):len(retained) + len(b)])
-        llm.eval(a)
-        mem = llama_cpp.llama_get_memory(llm.ctx)
-        llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + nd)
-        llama_cpp.llama_memory_seq_add(mem, 0, keep + nd, len(a), -nd)
-        llm.n_tokens = len(a) - nd
-        llm.input_ids[: llm.n_tokens] = retained
+        kv_shift(llm, a, keep, nd)
         llm.eval(b)
         return np.array(llm.scores[llm.n_tokens - len(b):llm.n_tokens])
 

@@ -169,11 +169,9 @@ def test_decode_and_prompt_in_one_batch(gemma3):
     assert np.array_equal(dfr_a, alone_a)
 
 
-def test_kshift_drops_the_transient_and_keeps_quality(gemma3):
+def test_kshift_drops_the_transient_and_keeps_quality(gemma3, kv_shift):
     # rows of shifted cells are dropped (their positions changed); decoding after the shift reads the re-roped
     # quantised cache, as without deferral
-    import llama_cpp
-
     ids = _ids(gemma3, 364)
     a, b = ids[:300], ids[300:]
     keep, nd = 4, 150
@@ -184,12 +182,7 @@ def test_kshift_drops_the_transient_and_keeps_quality(gemma3):
 
     def shifted(**kw):
         llm = _llm(gemma3, "isoquant3_0", **kw)
-        llm.eval(a)
-        mem = llama_cpp.llama_get_memory(llm.ctx)
-        llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + nd)
-        llama_cpp.llama_memory_seq_add(mem, 0, keep + nd, len(a), -nd)
-        llm.n_tokens = len(a) - nd
-        llm.input_ids[: llm.n_tokens] = retained
+        kv_shift(llm, a, keep, nd)
         out = []
         for t in b:
             llm.eval([t])

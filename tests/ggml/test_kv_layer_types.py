@@ -105,12 +105,10 @@ def test_a_quantised_v_layer_needs_flash_attention(smollm2):
                         kv_layer_types="0=q8_0/q4_0")
 
 
-def test_kshift_on_a_mixed_cache(gemma3):
+def test_kshift_on_a_mixed_cache(gemma3, kv_shift):
     # what shifting costs on the mixed cache stays near what it costs an F16 cache (measured: f16 +0.024, q8_0
     # +0.017, isoquant3_0 +0.018, this mix +0.021; a wrong rotation or a layer shifted as another's type adds far
     # more). A BOS-led text: without BOS, Gemma3's shift costs even F16 +0.27
-    import llama_cpp
-
     ids = _ids(gemma3, 364)
     a, b = ids[:300], ids[300:]
     keep, nd = 4, 150
@@ -121,12 +119,7 @@ def test_kshift_on_a_mixed_cache(gemma3):
         if not shift:
             llm.eval(retained + b)
             return np.array(llm.scores[len(retained):len(retained) + len(b)])
-        llm.eval(a)
-        mem = llama_cpp.llama_get_memory(llm.ctx)
-        llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + nd)
-        llama_cpp.llama_memory_seq_add(mem, 0, keep + nd, len(a), -nd)
-        llm.n_tokens = len(a) - nd
-        llm.input_ids[: llm.n_tokens] = retained
+        kv_shift(llm, a, keep, nd)
         llm.eval(b)
         return np.array(llm.scores[llm.n_tokens - len(b):llm.n_tokens])
 

@@ -269,24 +269,21 @@ std::shared_ptr<llama_kv_rq> llama_kv_rq::create(llama_kv_cache & kv, ggml_type 
     auto rq = std::make_shared<llama_kv_rq>(kv, scope ? scope->params : llama_rq_params{},
                                             scope ? scope->ctx : std::make_shared<llama_rq_ctx>());
     if (!kv.other) { // a cache that views another's cells leaves both hooks to the owner
-        // with per-layer types, the fewest bits per value decide (a quantised type has fewer than F16)
-        auto bpv = [](ggml_type t) { return 8.0*ggml_type_size(t)/ggml_blck_size(t); };
-        std::string mixed;
-        if (!kv.layers.empty()) {
-            type_k = kv.layers[0].k->type;
-            type_v = kv.layers[0].v ? kv.layers[0].v->type : type_v;
-        }
-        for (const auto & layer : kv.layers) {
-            const ggml_type tk = layer.k->type, tv = layer.v ? layer.v->type : type_v;
-            type_k = bpv(tk) < bpv(type_k) ? tk : type_k;
-            type_v = bpv(tv) < bpv(type_v) ? tv : type_v;
-            if (layer.v && ggml_is_quantized(tv) && kv.v_trans) {
-                throw std::runtime_error(format("kv_layer_types: layer %d has a quantised V cache (%s), which needs flash "
-                    "attention: use -fa on", layer.il, ggml_type_name(tv)));
+        if (!rq->params.kv_layer_types.empty()) {
+            // the layers' own types (--kv-layer-types): the fewest bits per value decide (quantised < F16)
+            auto bpv = [](ggml_type t) { return 8.0*ggml_type_size(t)/ggml_blck_size(t); };
+            std::string mixed;
+            for (size_t i = 0; i < kv.layers.size(); ++i) {
+                const auto & layer = kv.layers[i];
+                const ggml_type tk = layer.k->type, tv = layer.v ? layer.v->type : type_v;
+                type_k = i == 0 || bpv(tk) < bpv(type_k) ? tk : type_k;
+                type_v = i == 0 || bpv(tv) < bpv(type_v) ? tv : type_v;
+                if (layer.v && ggml_is_quantized(tv) && kv.v_trans) {
+                    throw std::runtime_error(format("kv_layer_types: layer %d has a quantised V cache (%s), which needs "
+                        "flash attention: use -fa on", layer.il, ggml_type_name(tv)));
+                }
+                mixed += format("%s%d:%s/%s", i ? " " : "", layer.il, ggml_type_name(tk), ggml_type_name(tv));
             }
-            mixed += format("%s%d:%s/%s", mixed.empty() ? "" : " ", layer.il, ggml_type_name(tk), ggml_type_name(tv));
-        }
-        if (rq->params.kv_layer_types.size()) {
             LLAMA_LOG_INFO("%s: per-layer K/V types (%s): %s\n", __func__, rq->params.kv_layer_types.c_str(), mixed.c_str());
         }
         rq->init_k_center(type_k);
