@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 
 
-def _scores(model, t, a, b, shift=None):
+def _scores(model, t, a, b, shift=None, kv_shift=None):
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=2, logits_all=True, verbose=False,
@@ -26,18 +26,12 @@ def _scores(model, t, a, b, shift=None):
     if shift is None:
         llm.eval(a + b)
         return np.array(llm.scores[len(a):len(a) + len(b)])
-    keep, nd = shift
-    llm.eval(a)
-    mem = llama_cpp.llama_get_memory(llm.ctx)
-    llama_cpp.llama_memory_seq_rm(mem, 0, keep, keep + nd)
-    llama_cpp.llama_memory_seq_add(mem, 0, keep + nd, len(a), -nd)
-    llm.n_tokens = len(a) - nd
-    llm.input_ids[: llm.n_tokens] = a[:keep] + a[keep + nd:]
+    kv_shift(llm, a, *shift)
     llm.eval(b)
     return np.array(llm.scores[llm.n_tokens - len(b):llm.n_tokens])
 
 
-def test_shift_costs_little_next_to_the_types_own_error(gemma3, text_file):
+def test_shift_costs_little_next_to_the_types_own_error(gemma3, text_file, kv_shift):
     import llama_cpp
 
     text = text_file.read_text()[200_000:210_000]
@@ -51,7 +45,7 @@ def test_shift_costs_little_next_to_the_types_own_error(gemma3, text_file):
     res = {}
     for name, t in (("q8_0", llama_cpp.GGML_TYPE_Q8_0), ("isoquant3_0", llama_cpp.GGML_TYPE_ISOQUANT3_0)):
         bindings.reset_counters()
-        shifted = _scores(gemma3, t, a, b, shift=(keep, nd))
+        shifted = _scores(gemma3, t, a, b, shift=(keep, nd), kv_shift=kv_shift)
         deq = bindings.counters()["iso_dequant_rows"]
         fresh = _scores(gemma3, t, retained, b)
         res[name] = (_kld(truth, fresh), _kld(truth, shifted), deq)
