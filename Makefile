@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 SETUP_ARGS ?=
 
-.PHONY: setup demo test test-fast test-scalar test-aarch64 lint patches bench clean
+.PHONY: setup demo test test-fast test-scalar test-aarch64 test-vulkan lint patches bench clean
 
 setup:
 	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
@@ -31,6 +31,10 @@ test-scalar: setup
 
 test-aarch64: setup
 	scripts/ci/aarch64.sh
+
+# the Vulkan backend on Mesa's lavapipe (build/vulkan; docs/vulkan.md): our kernels against the CPU, end to end
+test-vulkan: setup
+	scripts/ci/vulkan.sh $(VULKAN_ARGS)
 
 # KV-cache speed per type and depth: rq-eval bench (minutes on 2 cores; results in docs/results/kv-bench.md)
 bench: setup

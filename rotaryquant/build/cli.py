@@ -3,6 +3,8 @@
 Runs with the system Python (stdlib only) before any virtual environment exists:
 
     python3 -m rotaryquant.build setup        # everything below, idempotent
+    python3 -m rotaryquant.build setup --vulkan   # the same with the Vulkan backend (build/vulkan)
+    python3 -m rotaryquant.build build --vulkan --target llama-perplexity   # a build only (no Python wiring)
     python3 -m rotaryquant.build export-patches   # upstream tree edits -> ggml-patches/*.patch
 
 Every step is skipped when its stamp says it is done; every failure is one line that says
@@ -14,14 +16,31 @@ from __future__ import annotations
 import argparse
 
 from rotaryquant import assets, paths
-from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, configure_and_build, cuda_cmake_args
-from rotaryquant.build.common import log
+from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, VULKAN_TARGETS, configure_and_build, cuda_cmake_args
+from rotaryquant.build.common import SetupError, log
 from rotaryquant.build.install import install_python
 from rotaryquant.build.patches import apply_patches, export_patches
 from rotaryquant.build.sdist import fetch_sdist, read_lock, unpack
-from rotaryquant.build.tools import check_tools, ensure_ccache
+from rotaryquant.build.tools import check_tools, ensure_ccache, ensure_vulkan
 from rotaryquant.build.venv import ensure_python_deps, ensure_venv, venv_python
 from rotaryquant.errors import run_cli
+
+
+def _backend(ns: argparse.Namespace) -> tuple[str, list[str], list[str]]:
+    """The build folder, CMake arguments and targets of --cuda / --vulkan (or the CPU build)."""
+    if ns.cuda and ns.vulkan:
+        raise SetupError("--cuda and --vulkan build separate folders: run setup once for each")
+    extra = list(ns.cmake_arg or [])
+    targets = TARGETS
+    flavour = "cpu"
+    if ns.cuda:
+        extra += ["-DGGML_CUDA=ON", *cuda_cmake_args()]
+        targets, flavour = TARGETS + CUDA_TARGETS, "cuda"
+    elif ns.vulkan:
+        ensure_vulkan()
+        extra += ["-DGGML_VULKAN=ON"]
+        targets, flavour = TARGETS + VULKAN_TARGETS, "vulkan"
+    return ns.flavour or flavour, extra, targets
 
 
 def cmd_setup(ns: argparse.Namespace) -> None:
@@ -33,16 +52,25 @@ def cmd_setup(ns: argparse.Namespace) -> None:
     sdist = fetch_sdist(lock)
     unpack(lock, sdist)
     apply_patches(lock)
-    extra = list(ns.cmake_arg or [])
-    targets = TARGETS
-    if ns.cuda:
-        extra += ["-DGGML_CUDA=ON", *cuda_cmake_args()]
-        targets = TARGETS + CUDA_TARGETS
-    configure_and_build(ns.flavour or ("cuda" if ns.cuda else "cpu"), extra, ns.jobs, targets)
-    install_python(ns.flavour or ("cuda" if ns.cuda else "cpu"))
+    flavour, extra, targets = _backend(ns)
+    configure_and_build(flavour, extra, ns.jobs, targets)
+    install_python(flavour)
     if not ns.no_assets:
         assets.ensure_default_assets(python=str(venv_python()))
     log("ready")
+
+
+def cmd_build(ns: argparse.Namespace) -> None:
+    check_tools()
+    ensure_ccache()
+    ensure_venv()
+    ensure_python_deps()
+    lock = read_lock()
+    unpack(lock, fetch_sdist(lock))
+    apply_patches(lock)
+    flavour, extra, targets = _backend(ns)
+    configure_and_build(flavour, extra, ns.jobs, ns.target or targets)
+    log(f"built {paths.bin_dir(flavour)}")
 
 
 def cmd_patch(ns: argparse.Namespace) -> None:
@@ -64,12 +92,20 @@ def _main(argv: list[str] | None) -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="venv, fetch, patch, build, install (idempotent)")
-    s.add_argument("--cuda", action="store_true", help="also build the CUDA backend (-DGGML_CUDA=ON)")
-    s.add_argument("--flavour", help="build folder name under build/ (default: cpu, or cuda with --cuda)")
-    s.add_argument("--cmake-arg", action="append", help="extra CMake argument (repeatable)")
-    s.add_argument("-j", "--jobs", type=int, help="parallel build jobs (default: all cores)")
+    b = sub.add_parser("build", help="fetch, patch and build one folder, without the venv or Python wiring "
+                                     "(the CI jobs; setup does this and more)")
+    for x in (s, b):
+        x.add_argument("--cuda", action="store_true", help="also build the CUDA backend (-DGGML_CUDA=ON; build/cuda)")
+        x.add_argument("--vulkan", action="store_true",
+                       help="also build the Vulkan backend (-DGGML_VULKAN=ON; build/vulkan); installs glslc, the "
+                            "Vulkan headers and Mesa's lavapipe with apt-get when missing (as root)")
+        x.add_argument("--flavour", help="build folder name under build/ (default: cpu, cuda or vulkan)")
+        x.add_argument("--cmake-arg", action="append", help="extra CMake argument (repeatable)")
+        x.add_argument("-j", "--jobs", type=int, help="parallel build jobs (default: all cores)")
     s.add_argument("--no-assets", action="store_true", help="skip the default model and text")
     s.set_defaults(fn=cmd_setup)
+    b.add_argument("--target", action="append", help="build only this target (repeatable; default: all of setup's)")
+    b.set_defaults(fn=cmd_build)
     p = sub.add_parser("patch", help="fetch the sdist and apply ggml-patches/ (no build)")
     p.set_defaults(fn=cmd_patch)
     e = sub.add_parser("export-patches", help="write the upstream tree's commits since `pristine` "

@@ -1,5 +1,5 @@
 """Configure and build the patched llama.cpp with our CMakeLists.txt (Ninja when available, ccache
-across clones), portable x86-64-v3 CPU flags, and the CUDA extras for ``setup --cuda``."""
+across clones), portable x86-64-v3 CPU flags, and the CUDA / Vulkan extras for ``setup --cuda`` / ``--vulkan``."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ TARGETS = [
     "rq-tests",
 ]
 CUDA_TARGETS = ["ggml-cuda"]
+VULKAN_TARGETS = ["ggml-vulkan", "test-rq-vulkan"]
 
 # x86-64-v3, not -march=native (see CMakeLists.txt); --cmake-arg=-DGGML_NATIVE=ON overrides
 PORTABLE_CPU = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",

@@ -1,5 +1,6 @@
 """The system tools set-up needs: git and a C/C++ compiler, ccache (installed when root and apt-get
-allow), and CMake >= 3.21 (the system's, or the one pip puts in the venv)."""
+allow), CMake >= 3.21 (the system's, or the one pip puts in the venv), and for --vulkan the Vulkan headers,
+loader, glslc and Mesa's drivers (lavapipe: a Vulkan device on the CPU)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,38 @@ def check_tools() -> None:
                          "(Debian: apt-get install build-essential git)")
 
 
+def _apt_install(pkgs: list[str]) -> bool:
+    """apt-get install as root (an `apt-get update` first only when the plain install fails)."""
+    if not (shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0):
+        return False
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *pkgs]
+    if subprocess.run(cmd, capture_output=True, env=env).returncode == 0:
+        return True
+    subprocess.run(["apt-get", "update", "-q"], capture_output=True, env=env)
+    return subprocess.run(cmd, capture_output=True, env=env).returncode == 0
+
+
 def ensure_ccache() -> None:
     if shutil.which("ccache"):
         return
-    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        log("installing ccache (apt-get)")
-        proc = subprocess.run(["apt-get", "install", "-y", "-q", "ccache"], capture_output=True)
-        if proc.returncode != 0:
-            subprocess.run(["apt-get", "update", "-q"], capture_output=True)
-            proc = subprocess.run(["apt-get", "install", "-y", "-q", "ccache"], capture_output=True)
-        if proc.returncode == 0:
-            return
-    log("note: ccache not available; builds will not be cached (apt-get install ccache)")
+    log("installing ccache (apt-get)")
+    if not _apt_install(["ccache"]):
+        log("note: ccache not available; builds will not be cached (apt-get install ccache)")
+
+
+VULKAN_PACKAGES = ["libvulkan-dev", "glslc", "spirv-headers", "mesa-vulkan-drivers", "vulkan-tools"]
+
+
+def ensure_vulkan() -> None:
+    """glslc, the Vulkan headers and loader (and lavapipe, so that the tests have a device)."""
+    have = shutil.which("glslc") and os.path.exists("/usr/include/vulkan/vulkan.hpp")
+    if have:
+        return
+    log(f"installing the Vulkan build tools ({' '.join(VULKAN_PACKAGES)}; apt-get)")
+    if not _apt_install(VULKAN_PACKAGES):
+        raise SetupError("--vulkan needs glslc and the Vulkan headers and loader; install them "
+                         f"(Debian/Ubuntu, as root: apt-get install {' '.join(VULKAN_PACKAGES)})")
 
 
 def cmake_ok(exe: str | None) -> bool:

@@ -1,11 +1,12 @@
 // rq-counters: which IsoQuant attention path ran on the GPU, read from the RotaryQuant counters.
 //
-//   rq-counters MODEL.gguf [n_prompt=256] [n_gen=32]
+//   rq-counters MODEL.gguf [n_prompt=256] [n_gen=32] [cuda|vulkan]
 //
 // Runs a prompt and n_gen single-token decode steps with an isoquant3_0 K/V cache on the GPU, once
 // fused and once unfused (--isoquant-unfused), and prints the counters of the prompt and of the decode
-// steps separately. Expected: fused -> iso_dequant_rows == 0 and the CUDA backend's fused calls > 0;
-// unfused -> iso_dequant_rows > 0 (the K/V casts to F16). Exit status 1 if that does not hold.
+// steps separately. Expected: fused -> iso_dequant_rows == 0 and the GPU backend's fused calls > 0
+// (ggml_rq_cuda_fused_calls / ggml_rq_vk_fused_calls); unfused -> iso_dequant_rows > 0 (the K/V casts to
+// F16). Exit status 1 if that does not hold.
 // CUDA graphs are disabled (GGML_CUDA_DISABLE_GRAPHS=1): host-side counters only see launches, and a
 // replayed graph launches nothing from the host.
 //
@@ -20,17 +21,22 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
 struct snap {
     uint64_t c[GGML_RQ_COUNTER_COUNT];
-    uint64_t cuda_fused;
+    uint64_t gpu_fused;
 };
 
-static uint64_t cuda_fused_calls() {
+static const char * g_backend = "cuda";
+
+// the backend's own count of fused flash-attention launches (UINT64_MAX: not a RotaryQuant build of it)
+static uint64_t gpu_fused_calls() {
     using fn_t = uint64_t (*)(void);
-    static fn_t fn = (fn_t) dlsym(RTLD_DEFAULT, "ggml_rq_cuda_fused_calls");
+    static fn_t fn = (fn_t) dlsym(RTLD_DEFAULT, strcmp(g_backend, "vulkan") == 0 ? "ggml_rq_vk_fused_calls"
+                                                                                   : "ggml_rq_cuda_fused_calls");
     return fn ? fn() : UINT64_MAX;
 }
 
@@ -39,7 +45,7 @@ static snap take() {
     for (int i = 0; i < GGML_RQ_COUNTER_COUNT; ++i) {
         s.c[i] = ggml_rq_counter_get((enum ggml_rq_counter) i);
     }
-    s.cuda_fused = cuda_fused_calls();
+    s.gpu_fused = gpu_fused_calls();
     return s;
 }
 
@@ -48,7 +54,7 @@ static void print_delta(const char * mode, const char * phase, const snap & a, c
     for (int i = 0; i < GGML_RQ_COUNTER_COUNT; ++i) {
         printf(" %s=%llu", ggml_rq_counter_name((enum ggml_rq_counter) i), (unsigned long long) (b.c[i] - a.c[i]));
     }
-    printf(" cuda_fused_calls=%llu\n", (unsigned long long) (b.cuda_fused - a.cuda_fused));
+    printf(" %s_fused_calls=%llu\n", g_backend, (unsigned long long) (b.gpu_fused - a.gpu_fused));
 }
 
 // one context, prompt then decode steps; true when the decode steps took the expected path
@@ -95,27 +101,29 @@ static bool run(llama_model * model, bool unfused, int n_prompt, int n_gen) {
     llama_free(ctx);
 
     const uint64_t deq   = s2.c[GGML_RQ_ISO_DEQUANT_ROWS] - s1.c[GGML_RQ_ISO_DEQUANT_ROWS];
-    const uint64_t fused = s2.cuda_fused - s1.cuda_fused;
+    const uint64_t fused = s2.gpu_fused - s1.gpu_fused;
     bool ok;
     if (unfused) {
         ok = deq > 0;
         printf("%-8s check: decode dequantises K/V (iso_dequant_rows=%llu > 0): %s\n", mode, (unsigned long long) deq, ok ? "PASS" : "FAIL");
     } else {
         ok = deq == 0 && fused > 0;
-        printf("%-8s check: decode dequantises nothing (iso_dequant_rows=%llu) and runs the CUDA fused kernel "
-               "(cuda_fused_calls=%llu): %s\n", mode, (unsigned long long) deq, (unsigned long long) fused, ok ? "PASS" : "FAIL");
+        printf("%-8s check: decode dequantises nothing (iso_dequant_rows=%llu) and runs the %s fused kernel "
+               "(%s_fused_calls=%llu): %s\n", mode, (unsigned long long) deq, g_backend, g_backend,
+               (unsigned long long) fused, ok ? "PASS" : "FAIL");
     }
     return ok;
 }
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf [n_prompt] [n_gen]\n", argv[0]);
+        fprintf(stderr, "usage: %s MODEL.gguf [n_prompt] [n_gen] [cuda|vulkan]\n", argv[0]);
         return 2;
     }
     setenv("GGML_CUDA_DISABLE_GRAPHS", "1", 1);
     const int n_prompt = argc > 2 ? atoi(argv[2]) : 256;
     const int n_gen    = argc > 3 ? atoi(argv[3]) : 32;
+    g_backend          = argc > 4 ? argv[4] : "cuda";
 
     llama_backend_init();
     llama_model_params mp = llama_model_default_params();
@@ -125,8 +133,8 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "rq-counters: cannot load %s\n", argv[1]);
         return 1;
     }
-    if (cuda_fused_calls() == UINT64_MAX) {
-        fprintf(stderr, "rq-counters: ggml_rq_cuda_fused_calls not found: not a RotaryQuant CUDA build\n");
+    if (gpu_fused_calls() == UINT64_MAX) {
+        fprintf(stderr, "rq-counters: no fused-call counter: not a RotaryQuant %s build\n", g_backend);
         return 1;
     }
     const bool ok_f = run(model, false, n_prompt, n_gen);

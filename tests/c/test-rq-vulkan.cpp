@@ -2,7 +2,7 @@
 //
 // Quantising (SET_ROWS with I32 and I64 rows, CPY F32 -> ISO) must give the reference quantiser's blocks byte
 // for byte; dequantising (GET_ROWS -> F32/F16, CPY ISO -> F32/F16) the reference dequantiser's floats bit for bit
-// (F16: the CPU's round-to-nearest-even of them). Rows include the edges: zero, tiny (subnormal fp16 scale),
+// (F16: the CPU's round-to-nearest-even of them); ITQ3_S's GET_ROWS too. Rows include the edges: zero, tiny (subnormal fp16 scale),
 // huge (scale clamped at 65504), one hot channel. A fused flash-attention run must count as fused on the Vulkan
 // backend and dequantise nothing.
 //
@@ -169,6 +169,34 @@ static void test_dequantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) 
     }
 }
 
+// ITQ3_S: GET_ROWS gives dequantize_row_itq3_s's floats bit for bit (the F16 dequantiser MUL_MAT uses shares its
+// code; test-backend-ops checks MUL_MAT)
+static void test_itq3_get_rows(ggml_backend_t vk, std::mt19937 & rng) {
+    const ggml_type t = GGML_TYPE_ITQ3_S;
+    const int64_t ne0 = 512, n = 8;
+    const std::vector<float> x = make_rows(ne0, n, rng);
+    std::vector<uint8_t> q(ggml_row_size(t, ne0)*n);
+    ggml_quantize_chunk(t, x.data(), q.data(), 0, n, ne0, nullptr);
+    std::vector<float> deq(ne0*n);
+    ggml_get_type_traits(t)->to_float(q.data(), deq.data(), ne0*n);
+    const std::vector<int32_t> rows = { 7, 0, 3, 3 };
+    const auto got = run(vk, [&](ggml_context * ctx) {
+        ggml_tensor * src = ggml_new_tensor_2d(ctx, t, ne0, n);
+        ggml_set_name(src, "src");
+        ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) rows.size());
+        ggml_set_name(idx, "idx");
+        return ggml_get_rows(ctx, src, idx);
+    }, [&](ggml_context * ctx) {
+        ggml_backend_tensor_set(ggml_get_tensor(ctx, "src"), q.data(), 0, q.size());
+        ggml_backend_tensor_set(ggml_get_tensor(ctx, "idx"), rows.data(), 0, rows.size()*sizeof(int32_t));
+    });
+    bool same = true;
+    for (size_t r = 0; r < rows.size(); ++r) {
+        same &= memcmp(got.data() + r*ne0*sizeof(float), deq.data() + rows[r]*ne0, ne0*sizeof(float)) == 0;
+    }
+    CHECK(same, "GET_ROWS itq3_s -> F32 differs from the reference dequantiser");
+}
+
 // the fused kernel runs on the device, counts as fused there, and dequantises nothing
 static void test_fused_counts(ggml_backend_t vk, std::mt19937 & rng) {
     const int64_t hs = 128, n_kv = 96, n_head = 4, n_head_kv = 2;
@@ -217,6 +245,7 @@ int main(int argc, char ** argv) {
         test_quantise(vk, t, rng);
         test_dequantise(vk, t, rng);
     }
+    test_itq3_get_rows(vk, rng);
     test_fused_counts(vk, rng);
     ggml_backend_free(vk);
     printf("test-rq-vulkan (%s): %s\n", desc, n_fail ? "FAILED" : "ok");

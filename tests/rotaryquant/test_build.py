@@ -105,6 +105,28 @@ def test_shared_library_was_built(bin_dir, lib):
 
 def test_cuda_is_off_by_default(bin_dir):
     assert not (bin_dir / "libggml-cuda.so").exists()
+    assert not (bin_dir / "libggml-vulkan.so").exists()
+
+
+def test_backend_flags_pick_folder_args_and_targets():
+    from rotaryquant.build import cli
+
+    def ns(**kw):
+        base = {"cuda": False, "vulkan": False, "flavour": None, "cmake_arg": None}
+        return type("NS", (), {**base, **kw})()
+
+    assert cli._backend(ns()) == ("cpu", [], cmake.TARGETS)
+    # --vulkan: build/vulkan with the backend and our Vulkan test on top of every default target
+    # (ensure_vulkan is a no-op where glslc and the headers exist, and raises a SetupError naming the apt packages)
+    try:
+        flavour, extra, targets = cli._backend(ns(vulkan=True, cmake_arg=["-DX=1"]))
+    except SetupError as e:
+        assert "apt-get install" in str(e) and "glslc" in str(e)
+    else:
+        assert flavour == "vulkan" and extra == ["-DX=1", "-DGGML_VULKAN=ON"]
+        assert set(cmake.TARGETS) < set(targets) and "ggml-vulkan" in targets and "test-rq-vulkan" in targets
+    with pytest.raises(SetupError, match="separate folders"):
+        cli._backend(ns(cuda=True, vulkan=True))
 
 
 def test_fresh_venv_scripts_run_from_their_final_path(tmp_path, monkeypatch):

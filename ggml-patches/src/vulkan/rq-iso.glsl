@@ -11,6 +11,7 @@
 #extension GL_EXT_control_flow_attributes : require
 
 #include "isoquant-tables.glsl"    // generated from ../isoquant-tables.h by rq-vulkan.cmake
+#include "rq-half.glsl"
 
 #define ISO_NQ16 (QK*BITS/16)     // 16-bit words of packed indices per block
 #define ISO_NLEV (1 << BITS)
@@ -54,30 +55,6 @@ float iso_bound(uint i) {
 }
 
 const float ISO_WHT_SCALE = QK == 128 ? iq3_wht_scale : iq64_wht_scale;
-
-// float -> fp16 bits, round to nearest even (as F16C / GGML_FP32_TO_FP16 on the CPU)
-uint rq_half_rte(float f) {
-    uint x = floatBitsToUint(f);
-    const uint sign = (x >> 16) & 0x8000u;
-    x &= 0x7fffffffu;
-    if (x > 0x7f800000u) {
-        return sign | 0x7e00u;                                   // NaN
-    }
-    if (x >= 0x47800000u) {
-        return sign | 0x7c00u;                                   // >= 65536: inf
-    }
-    if (x < 0x38800000u) {
-        // below 2^-14: a subnormal half, in units of 2^-24 (the scaling is exact)
-        return sign | uint(roundEven(uintBitsToFloat(x) * 16777216.0));
-    }
-    const uint m   = x - 0x38000000u;                           // rebias 127 -> 15
-    uint       r   = m >> 13;
-    const uint rem = m & 0x1fffu;
-    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u) != 0u)) {
-        r += 1u;                                                 // a carry into the exponent is right, up to inf
-    }
-    return sign | r;
-}
 
 // the BITS-bit index of value i of a block: group i/8 is the BITS-byte little-endian word at byte BITS*(i/8)
 uint iso_index(const uint16_t qs[ISO_NQ16], uint i) {

@@ -68,8 +68,15 @@ int ggml_vk_rq_supports_op(const vk_device & device, const ggml_tensor * op) {
             return ggml_rq_type_is_iso(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16) &&
                    op->nb[0] == ggml_type_size(op->type);
         case GGML_OP_GET_ROWS:
+            if (src0->type == GGML_TYPE_ITQ3_S) {
+                return src1->type == GGML_TYPE_I32 && op->type == GGML_TYPE_F32;
+            }
             return ggml_rq_type_is_iso(src0->type) && src1->type == GGML_TYPE_I32 &&
                    (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+        case GGML_OP_MUL_MAT:
+            // ITQ3_S weights: dequantised to F16, then upstream's F16 matmul (no matrix-vector kernel yet)
+            return src0->type == GGML_TYPE_ITQ3_S && ggml_is_contiguous(src0) &&
+                   (src1->type == GGML_TYPE_F32 || src1->type == GGML_TYPE_F16) && op->type == GGML_TYPE_F32;
         case GGML_OP_FLASH_ATTN_EXT: {
             const ggml_tensor * k = op->src[1];
             const ggml_tensor * v = op->src[2];
@@ -85,8 +92,8 @@ int ggml_vk_rq_supports_op(const vk_device & device, const ggml_tensor * op) {
                    op->ne[1] < 65536;
         }
         default:
-            // MUL_MAT / MUL_MAT_ID / ... on ITQ3_S or IsoQuant: not on this device yet (the scheduler keeps them,
-            // and ITQ3_S weights, on the CPU)
+            // MUL_MAT_ID on ITQ3_S, MUL_MAT on IsoQuant, ...: not on this device yet (the scheduler runs them on
+            // the CPU, and llama.cpp keeps weights whose ops the device lacks in host memory)
             return 0;
     }
 }
