@@ -340,6 +340,11 @@ def build(results: Path) -> Path:
         body += ["## Weights", "", "_not run: `rq-eval weights`_", ""]
     if gaps:
         measured["itq_gap"] = "; ".join(gaps)
+    # the Vulkan backend on lavapipe (make test-vulkan's numbers, curated): correctness only, no JSON to render
+    vk = results / "vulkan-lavapipe.md"
+    body += ["## Vulkan backend (Mesa's lavapipe: correctness, not speed)", "",
+             vk.read_text().strip() if vk.exists() else
+             "_not run: `make test-vulkan` (scripts/ci/vulkan.sh)_", ""]
     # weight-speed-MODEL.json; the -before / -kernels runs document the kernel change, not the current state
     for f in [f for f in sorted(results.glob("weight-speed*.json")) if not f.stem.endswith(("-before", "-kernels"))]:
         sp = _itq_speed(json.loads(f.read_text()))

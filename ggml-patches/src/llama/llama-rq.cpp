@@ -702,9 +702,17 @@ void llama_kv_rq::init_deferred(ggml_type type_k, ggml_type type_v) {
         why = "this architecture writes its K cache outside build_attn";
     } else if (dv && kv.v_trans) {
         why = "a quantised V cache needs flash attention";
+    } else if (std::any_of(kv.layers.begin(), kv.layers.end(), [](const auto & l) {
+                   return l.k->buffer && !ggml_backend_buffer_is_host(l.k->buffer); })) {
+        // on purpose: its prompt graphs crash inside Mesa's lavapipe (q8_0 as isoquant3_0) and never ran on CUDA
+        why = "the KV cache is on a GPU device, where deferred prefill is not supported yet (docs/deferred-prefill.md)";
     }
     if (why) {
-        LLAMA_LOG_INFO("%s: deferred prefill = off (%s)\n", __func__, why);
+        if (strstr(why, "GPU")) {
+            LLAMA_LOG_WARN("%s: deferred prefill = off (%s)\n", __func__, why);
+        } else {
+            LLAMA_LOG_INFO("%s: deferred prefill = off (%s)\n", __func__, why);
+        }
         return;
     }
 
