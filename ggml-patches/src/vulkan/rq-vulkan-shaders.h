@@ -36,11 +36,13 @@ static void ggml_vk_rq_load_shaders(vk_device & device, const Create & create) {
     RQ_VK_ISO(GGML_TYPE_ISOQUANT3_64, isoquant3_64, 64)
     RQ_VK_ISO(GGML_TYPE_ISOQUANT4_64, isoquant4_64, 64)
 
-    // ITQ3_S: GET_ROWS, and the F16 dequantisation MUL_MAT runs before upstream's F16 matmul
+    // ITQ3_S: GET_ROWS, the F16 dequantisation MUL_MAT runs before upstream's F16 matmul, and the matrix-vector kernel
     create(device, device->pipeline_get_rows_f32[GGML_TYPE_ITQ3_S], "get_rows_itq3_s_f32", RQ_VK_SPV(get_rows_itq3_s_f32),
            "main", 3, sizeof(vk_op_binary_push_constants), {32*256, 1, 1}, {}, 1);
     create(device, device->pipeline_dequant[GGML_TYPE_ITQ3_S], "dequant_itq3_s", RQ_VK_SPV(dequant_itq3_s),
            "main", 2, 5 * sizeof(uint32_t), {32*256, 1, 1}, {}, 1);
+    create(device, device->pipeline_rq_itq3_mmv, "mul_mat_vec_itq3_s_f32", RQ_VK_SPV(mul_mat_vec_itq3_s),
+           "main", 3, sizeof(rq_vk_itq3_mmv_push_constants), {64, 1, 1}, {}, 1);
 
     static const char * const fa_names[RQ_VK_FA_TYPES] = { "f16", "q8_0", "iso3", "iso4", "iso3_64", "iso4_64" };
     static std::string fa_pipeline_names[RQ_VK_FA_TYPES][RQ_VK_FA_TYPES];

@@ -73,6 +73,7 @@ endforeach()
 rq_vk_shader(flash_attn_iso iso_fa.comp)
 rq_vk_shader(get_rows_itq3_s_f32 itq3_dequant.comp -DGET_ROWS)
 rq_vk_shader(dequant_itq3_s      itq3_dequant.comp)
+rq_vk_shader(mul_mat_vec_itq3_s  itq3_mul_mat_vec.comp)
 
 file(CONFIGURE OUTPUT ${RQ_VK_GEN}/rq-vulkan-spv.h CONTENT "${rq_vk_header}" @ONLY)
 target_sources(ggml-vulkan PRIVATE ${rq_vk_outputs})

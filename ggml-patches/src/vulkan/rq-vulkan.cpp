@@ -148,6 +148,29 @@ bool ggml_vk_rq_flash_attn(ggml_backend_vk_context * ctx, vk_context & subctx, c
     return true;
 }
 
+bool ggml_vk_rq_mul_mat_vec_itq3(ggml_backend_vk_context * ctx, vk_context & subctx, const ggml_tensor * src0,
+                                 const ggml_tensor * src1, ggml_tensor * dst) {
+    // itq3_mul_mat_vec.comp: up to 8 columns of a 2-D product with rows in place; anything else dequantises first
+    if (src0->type != GGML_TYPE_ITQ3_S || src1->type != GGML_TYPE_F32 || dst->ne[1] > 8 ||
+        src0->ne[2] != 1 || src0->ne[3] != 1 || src1->ne[2] != 1 || src1->ne[3] != 1 ||
+        src1->nb[0] != sizeof(float) || dst->nb[0] != sizeof(float) || src0->nb[0] != ggml_type_size(src0->type)) {
+        return false;
+    }
+    vk_pipeline & pipeline = ctx->device->pipeline_rq_itq3_mmv;
+    ggml_pipeline_request_descriptor_sets(ctx, pipeline, 1);
+    const rq_vk_itq3_mmv_push_constants pc = {
+        (uint32_t) src0->ne[0], (uint32_t) src0->ne[1], (uint32_t) src1->ne[1],
+        (uint32_t) (src0->nb[1]/ggml_type_size(src0->type)), (uint32_t) (src1->nb[1]/sizeof(float)),
+        (uint32_t) (dst->nb[1]/sizeof(float)),
+        get_misalign_bytes(ctx, src0)/(uint32_t) ggml_type_size(src0->type), get_misalign_bytes(ctx, src1)/4,
+        get_misalign_bytes(ctx, dst)/4,
+    };
+    ggml_vk_dispatch_pipeline(ctx, subctx, pipeline,
+                              { ggml_vk_tensor_subbuffer(ctx, src0, true), ggml_vk_tensor_subbuffer(ctx, src1, true),
+                                ggml_vk_tensor_subbuffer(ctx, dst, true) }, pc, { (uint32_t) src0->ne[1], 1, 1 });
+    return true;
+}
+
 // FLASH_ATTN_EXT nodes with IsoQuant K/V that the Vulkan backend recorded (for tests and gpu-check: the process-wide
 // iso_fused_calls also counts the CPU's)
 static std::atomic<uint64_t> rq_vk_fused_calls { 0 };

@@ -25,12 +25,22 @@ struct rq_vk_fa_push_constants {
 };
 static_assert(sizeof(rq_vk_fa_push_constants) <= 128, "rq_vk_fa_push_constants must fit 128 bytes");
 
+// itq3_mul_mat_vec.comp's push constants
+struct rq_vk_itq3_mmv_push_constants {
+    uint32_t K, M, N, nb01, nb11, nb1, offa, offb, offd;
+};
+
 // 1/0: whether the device runs `op`, which touches ISOQUANT* or ITQ3_S; -1: not one of ours (upstream decides)
 int ggml_vk_rq_supports_op(const vk_device & device, const ggml_tensor * op);
 
 // FLASH_ATTN_EXT with IsoQuant K or V: records the fused kernel and returns true; false for other types
 bool ggml_vk_rq_flash_attn(ggml_backend_vk_context * ctx, vk_context & subctx, const ggml_tensor * q, const ggml_tensor * k,
                            const ggml_tensor * v, const ggml_tensor * mask, const ggml_tensor * sinks, ggml_tensor * dst);
+
+// MUL_MAT of ITQ3_S weights by up to 8 F32 columns: the matrix-vector kernel on rotated activations; false when
+// the product is not of that shape (the caller dequantises to F16 and runs upstream's matmul)
+bool ggml_vk_rq_mul_mat_vec_itq3(ggml_backend_vk_context * ctx, vk_context & subctx, const ggml_tensor * src0,
+                                 const ggml_tensor * src1, ggml_tensor * dst);
 
 // counts, as the CPU backend does, what a recorded node does with IsoQuant data (ggml-rq.h counters)
 void ggml_vk_rq_count(const ggml_tensor * node);
