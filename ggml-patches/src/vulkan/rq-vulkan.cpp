@@ -1,6 +1,6 @@
-// RotaryQuant on ggml-vulkan: supports_op, the fused IsoQuant flash-attention dispatch and the counters.
-// The shaders (iso_quant.comp, iso_dequant.comp, iso_fa.comp) are compiled by rq-vulkan.cmake; the quantise and
-// dequantise pipelines sit in upstream's per-type tables (rq-vulkan-shaders.h), so upstream dispatches them.
+// RotaryQuant on ggml-vulkan: supports_op, the dispatch of the fused IsoQuant flash attention and of the ITQ3_S
+// matrix-vector kernel, and the counters. The shaders are compiled by rq-vulkan.cmake; the quantise and dequantise
+// pipelines sit in upstream's per-type tables (rq-vulkan-shaders.h), so upstream's code dispatches them.
 
 #include "rq-vulkan.h"
 

@@ -1,6 +1,7 @@
 #pragma once
 
-// RotaryQuant on ggml-vulkan: the IsoQuant KV-cache types (quantise, dequantise, fused flash attention).
+// RotaryQuant on ggml-vulkan: the IsoQuant KV-cache types (quantise, dequantise, fused flash attention) and ITQ3_S
+// weights (GET_ROWS, MUL_MAT).
 // Included by ggml-vulkan.cpp through rq-vulkan-shaders.h (the hooks are guarded by GGML_RQ_VULKAN, which only
 // ggml-rq/vulkan/rq-vulkan.cmake defines) and by rq-vulkan.cpp.
 
