@@ -26,6 +26,15 @@ PY=$REPO/.venv/bin/python
 BIN=$REPO/build/vulkan/bin
 export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}   # ggml-vulkan skips CPU devices unless told
 
+# lavapipe (Mesa's CPU Vulkan driver): the device these tests run on when the machine has no GPU
+if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing Mesa's Vulkan drivers (lavapipe; apt-get)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends mesa-vulkan-drivers vulkan-tools > /dev/null 2>&1 \
+        || { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends mesa-vulkan-drivers vulkan-tools > /dev/null; } \
+        || die "apt-get install mesa-vulkan-drivers vulkan-tools failed"
+fi
+
 t=$(date +%s)
 "$PY" -m rotaryquant.build build --vulkan -j "$JOBS" --target ggml-vulkan --target test-backend-ops \
     --target test-rq-vulkan --target llama-perplexity --target llama > "$REPO/build/vulkan-build.log" 2>&1 \
