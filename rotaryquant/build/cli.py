@@ -43,15 +43,20 @@ def _backend(ns: argparse.Namespace) -> tuple[str, list[str], list[str]]:
     return ns.flavour or flavour, extra, targets
 
 
-def cmd_setup(ns: argparse.Namespace) -> None:
+def _patched_tree(ccache: bool = True) -> None:
+    """Tools, the venv, and the pinned sdist unpacked and patched (every step skipped when done)."""
     check_tools()
-    ensure_ccache()
+    if ccache:
+        ensure_ccache()
     ensure_venv()
     ensure_python_deps()
     lock = read_lock()
-    sdist = fetch_sdist(lock)
-    unpack(lock, sdist)
+    unpack(lock, fetch_sdist(lock))
     apply_patches(lock)
+
+
+def cmd_setup(ns: argparse.Namespace) -> None:
+    _patched_tree()
     flavour, extra, targets = _backend(ns)
     configure_and_build(flavour, extra, ns.jobs, targets)
     install_python(flavour)
@@ -61,25 +66,14 @@ def cmd_setup(ns: argparse.Namespace) -> None:
 
 
 def cmd_build(ns: argparse.Namespace) -> None:
-    check_tools()
-    ensure_ccache()
-    ensure_venv()
-    ensure_python_deps()
-    lock = read_lock()
-    unpack(lock, fetch_sdist(lock))
-    apply_patches(lock)
+    _patched_tree()
     flavour, extra, targets = _backend(ns)
     configure_and_build(flavour, extra, ns.jobs, ns.target or targets)
     log(f"built {paths.bin_dir(flavour)}")
 
 
 def cmd_patch(ns: argparse.Namespace) -> None:
-    check_tools()
-    ensure_venv()
-    ensure_python_deps()
-    lock = read_lock()
-    unpack(lock, fetch_sdist(lock))
-    apply_patches(lock)
+    _patched_tree(ccache=False)
     log(f"patched tree: {paths.src_root()}")
 
 

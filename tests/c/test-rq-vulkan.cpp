@@ -125,19 +125,9 @@ static void test_quantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) {
     CHECK(got == want_cpy, "CPY F32 -> %s differs from the reference quantiser", ggml_type_name(t));
 }
 
-static void test_dequantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) {
-    const int64_t qk = ggml_blck_size(t), ne0 = 2*qk, n = 12;
-    const std::vector<float> x = make_rows(ne0, n, rng);
-    const size_t rs = ggml_row_size(t, ne0);
-    std::vector<uint8_t> q(rs*n);
-    ggml_quantize_chunk(t, x.data(), q.data(), 0, n, ne0, nullptr);
-    std::vector<float> deq(ne0*n);
-    ggml_get_type_traits(t)->to_float(q.data(), deq.data(), ne0*n);
-    std::vector<ggml_fp16_t> deq16(ne0*n);
-    ggml_fp32_to_fp16_row(deq.data(), deq16.data(), ne0*n);
-    const std::vector<int32_t> rows = { 5, 0, 11, 2, 2, 7 };
-
-    // GET_ROWS (ggml_get_rows gives F32)
+// GET_ROWS (ggml_get_rows gives F32) of the packed rows q must give their reference dequantisation deq bit for bit
+static void check_get_rows(ggml_backend_t vk, ggml_type t, const std::vector<uint8_t> & q, const std::vector<float> & deq,
+                           int64_t ne0, int64_t n, const std::vector<int32_t> & rows) {
     const auto got = run(vk, [&](ggml_context * ctx) {
         ggml_tensor * src = ggml_new_tensor_2d(ctx, t, ne0, n);
         ggml_set_name(src, "src");
@@ -153,6 +143,21 @@ static void test_dequantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) 
         same &= memcmp(got.data() + r*ne0*sizeof(float), deq.data() + rows[r]*ne0, ne0*sizeof(float)) == 0;
     }
     CHECK(same, "GET_ROWS %s -> F32 differs from the reference dequantiser", ggml_type_name(t));
+}
+
+static void test_dequantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) {
+    const int64_t qk = ggml_blck_size(t), ne0 = 2*qk, n = 12;
+    const std::vector<float> x = make_rows(ne0, n, rng);
+    const size_t rs = ggml_row_size(t, ne0);
+    std::vector<uint8_t> q(rs*n);
+    ggml_quantize_chunk(t, x.data(), q.data(), 0, n, ne0, nullptr);
+    std::vector<float> deq(ne0*n);
+    ggml_get_type_traits(t)->to_float(q.data(), deq.data(), ne0*n);
+    std::vector<ggml_fp16_t> deq16(ne0*n);
+    ggml_fp32_to_fp16_row(deq.data(), deq16.data(), ne0*n);
+    const std::vector<int32_t> rows = { 5, 0, 11, 2, 2, 7 };
+
+    check_get_rows(vk, t, q, deq, ne0, n, rows);
 
     for (ggml_type dt : { GGML_TYPE_F32, GGML_TYPE_F16 }) {
         // CPY ISO -> F32/F16 (the unfused path's cast)
@@ -179,22 +184,7 @@ static void test_itq3_get_rows(ggml_backend_t vk, std::mt19937 & rng) {
     ggml_quantize_chunk(t, x.data(), q.data(), 0, n, ne0, nullptr);
     std::vector<float> deq(ne0*n);
     ggml_get_type_traits(t)->to_float(q.data(), deq.data(), ne0*n);
-    const std::vector<int32_t> rows = { 7, 0, 3, 3 };
-    const auto got = run(vk, [&](ggml_context * ctx) {
-        ggml_tensor * src = ggml_new_tensor_2d(ctx, t, ne0, n);
-        ggml_set_name(src, "src");
-        ggml_tensor * idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, (int64_t) rows.size());
-        ggml_set_name(idx, "idx");
-        return ggml_get_rows(ctx, src, idx);
-    }, [&](ggml_context * ctx) {
-        ggml_backend_tensor_set(ggml_get_tensor(ctx, "src"), q.data(), 0, q.size());
-        ggml_backend_tensor_set(ggml_get_tensor(ctx, "idx"), rows.data(), 0, rows.size()*sizeof(int32_t));
-    });
-    bool same = true;
-    for (size_t r = 0; r < rows.size(); ++r) {
-        same &= memcmp(got.data() + r*ne0*sizeof(float), deq.data() + rows[r]*ne0, ne0*sizeof(float)) == 0;
-    }
-    CHECK(same, "GET_ROWS itq3_s -> F32 differs from the reference dequantiser");
+    check_get_rows(vk, t, q, deq, ne0, n, { 7, 0, 3, 3 });
 }
 
 // the fused kernel runs on the device, counts as fused there, and dequantises nothing

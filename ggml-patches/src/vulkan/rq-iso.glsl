@@ -22,37 +22,20 @@ struct block_iso {
     uint16_t qs[ISO_NQ16];
 };
 
-float iso_codebook(uint i) {
-#if QK == 128
-#if BITS == 3
-    return iq3_codebook[i];
+// the codebook and decision bounds of this BITS / QK
+#if QK == 128 && BITS == 3
+#define ISO_CODEBOOK iq3_codebook
+#define ISO_BOUNDS   iq3_bounds
+#elif QK == 128
+#define ISO_CODEBOOK iq4_codebook
+#define ISO_BOUNDS   iq4_bounds
+#elif BITS == 3
+#define ISO_CODEBOOK iq3_64_codebook
+#define ISO_BOUNDS   iq3_64_bounds
 #else
-    return iq4_codebook[i];
+#define ISO_CODEBOOK iq4_64_codebook
+#define ISO_BOUNDS   iq4_64_bounds
 #endif
-#else
-#if BITS == 3
-    return iq3_64_codebook[i];
-#else
-    return iq4_64_codebook[i];
-#endif
-#endif
-}
-
-float iso_bound(uint i) {
-#if QK == 128
-#if BITS == 3
-    return iq3_bounds[i];
-#else
-    return iq4_bounds[i];
-#endif
-#else
-#if BITS == 3
-    return iq3_64_bounds[i];
-#else
-    return iq4_64_bounds[i];
-#endif
-#endif
-}
 
 const float ISO_WHT_SCALE = QK == 128 ? iq3_wht_scale : iq64_wht_scale;
 
@@ -123,7 +106,7 @@ void iso_rotate_inv(inout float v[QK]) {
 void iso_dequantize(const block_iso b, out float v[QK]) {
     const float d = unpackHalf2x16(uint(b.d)).x;
     [[unroll]] for (uint i = 0; i < QK; ++i) {
-        precise float y = d * iso_codebook(iso_index(b.qs, i));
+        precise float y = d * ISO_CODEBOOK[iso_index(b.qs, i)];
         v[i] = y;
     }
     iso_rotate_inv(v);
@@ -166,9 +149,9 @@ block_iso iso_quantize(const float x[QK]) {
         [[unroll]] for (uint j = 0; j < 8; ++j) {
             uint idx = 0;    // #{k : y > bounds[k]} (strict; a NaN gives 0)
             [[unroll]] for (uint k = 0; k < ISO_NLEV - 1; ++k) {
-                idx += v[8*g + j] > iso_bound(k) ? 1u : 0u;
+                idx += v[8*g + j] > ISO_BOUNDS[k] ? 1u : 0u;
             }
-            c[8*g + j] = iso_codebook(idx);
+            c[8*g + j] = ISO_CODEBOOK[idx];
             w |= idx << (BITS*j);
         }
         [[unroll]] for (uint k = 0; k < BITS; ++k) {

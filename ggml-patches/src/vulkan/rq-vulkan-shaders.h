@@ -45,16 +45,12 @@ static void ggml_vk_rq_load_shaders(vk_device & device, const Create & create) {
            "main", 3, sizeof(rq_vk_itq3_mmv_push_constants), {64, 1, 1}, {}, 1);
 
     static const char * const fa_names[RQ_VK_FA_TYPES] = { "f16", "q8_0", "iso3", "iso4", "iso3_64", "iso4_64" };
-    static std::string fa_pipeline_names[RQ_VK_FA_TYPES][RQ_VK_FA_TYPES];
     for (uint32_t kt = 0; kt < RQ_VK_FA_TYPES; ++kt) {
         for (uint32_t vt = 0; vt < RQ_VK_FA_TYPES; ++vt) {
             if (kt < 2 && vt < 2) {
                 continue; // upstream's flash attention
             }
-            std::string & name = fa_pipeline_names[kt][vt];
-            if (name.empty()) {
-                name = std::string("flash_attn_iso_") + fa_names[kt] + "_" + fa_names[vt];
-            }
+            const std::string name = std::string("flash_attn_iso_") + fa_names[kt] + "_" + fa_names[vt];
             create(device, device->pipeline_rq_fa[kt][vt], name.c_str(), RQ_VK_SPV(flash_attn_iso), "main", 6,
                    sizeof(rq_vk_fa_push_constants), {1, 1, 1}, {kt, vt}, 1);
         }
