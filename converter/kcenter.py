@@ -350,8 +350,12 @@ def read_calibration(path: Path) -> dict[str, Any] | None:
 
 def calibrate(model: str | Path, output: str | Path | None = None, *, text: str | Path | None = None,
               n_tokens: int = DEFAULT_TOKENS, n_ctx: int = 2048, threads: int | None = None,
-              progress: bool = True, verbose: bool = False) -> tuple[Path, Calibration]:
-    """Measure mu/lam for a GGUF model and write them into output (default: the model, in place)."""
+              progress: bool = True, verbose: bool = False, kv_bits: float | None = None,
+              kv_hi: str | None = None, kv_lo: str | None = None,
+              kv_chunks: int | None = None) -> tuple[Path, Calibration, Any]:
+    """Measure mu/lam for a GGUF model and write them into output (default: the model, in place). With
+    ``kv_bits``, also choose per-layer K/V cache types for that budget (:mod:`kvalloc`) on the calibrated file and
+    store them; the third item is that :class:`kvalloc.Allocation` (None without ``kv_bits``)."""
     model = Path(model).expanduser()
     if not model.is_file():
         raise ConvertError(f"model {model} does not exist", fix="give the path of a .gguf file")
@@ -372,8 +376,24 @@ def calibrate(model: str | Path, output: str | Path | None = None, *, text: str 
     data = text.read_bytes()[: max(n_tokens, MIN_TOKENS) * 16]
     cal = collect(model, data, text_name=text.name, n_tokens=n_tokens, n_ctx=n_ctx, threads=threads,
                   progress=progress, verbose=verbose)
-    rewrite_metadata(model, out, cal.metadata(), progress=progress)
-    return out, cal
+    if kv_bits is None:
+        rewrite_metadata(model, out, cal.metadata(), progress=progress)
+        return out, cal, None
+    from rotaryquant.converter import kvalloc
+
+    if not kv_chunks or kv_chunks < 1:
+        raise ConvertError(f"--kv-chunks {kv_chunks}: give at least 1", fix="e.g. --kv-chunks 2")
+    # measured on the calibrated model (a temporary copy): its caches are centred as users will run them
+    tmp = out.with_name(f".{out.name}.kv-alloc.tmp")
+    try:
+        rewrite_metadata(model, tmp, cal.metadata(), progress=progress)
+        need = text.read_bytes()[: kv_chunks * kvalloc.N_CTX * 16]
+        alloc = kvalloc.measure(tmp, need, text_name=text.name, target=kv_bits, hi=kv_hi or kvalloc.HI,
+                                lo=kv_lo or kvalloc.LO, chunks=kv_chunks, threads=threads, progress=progress)
+        rewrite_metadata(tmp, out, alloc.metadata(), drop_prefix=kvalloc.PREFIX, progress=progress)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out, cal, alloc
 
 
 def summary(cal: Calibration) -> Iterable[str]:

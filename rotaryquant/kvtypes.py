@@ -1,6 +1,7 @@
 """KV-cache type specs: "q8_0" (K and V alike) or "q8_0/isoquant3_0" (K type / V type), optionally
 "@LAYERS" with per-layer types over those (llama.cpp's --kv-layer-types, items separated by ";" here so that a
-list of specs can be comma-separated: "isoquant3_0@full=q8_0/isoquant3_0;0-1=q8_0"), and an
+list of specs can be comma-separated: "isoquant3_0@full=q8_0/isoquant3_0;0-1=q8_0"; "@model": the allocation
+rq-calibrate --kv-bits stored in the model), and an
 optional "+calib" or "+self" suffix: K centring on, as llama.cpp runs by default. "+calib" reads: the model's
 K-cache calibration (rq-calibrate); "+self" reads: the file has none, the runtime measures its own (the same
 switch; the label says which statistics a row used). Without a suffix, runs pass --no-k-center, so the same
@@ -12,6 +13,7 @@ from rotaryquant.bindings.ggml import ISO_TYPES  # the IsoQuant KV types
 
 CALIB = "+calib"
 SELF = "+self"
+MODEL = "model"  # per-layer types: the model's stored allocation (rq-calibrate --kv-bits)
 
 
 def suffix(spec: str) -> str:
@@ -40,6 +42,8 @@ def split(spec: str) -> tuple[str, str]:
 def _layer_items(spec: str) -> list[tuple[str, str]]:
     """(LAYERS, K[/V]) of each per-layer item."""
     out = []
+    if _body(spec)[1] == MODEL:  # the model's own, resolved by llama.cpp
+        return out
     for item in filter(None, _body(spec)[1].split(";")):
         sel, eq, types = item.partition("=")
         if not eq or not sel.strip():

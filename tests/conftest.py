@@ -32,6 +32,16 @@ def gemma3() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smol_cal(smollm2, tmp_path_factory) -> Path:
+    """SmolLM2 with rq-calibrate's K statistics (512 tokens)."""
+    from rotaryquant.converter import kcenter
+
+    out = tmp_path_factory.mktemp("cal") / "smol-cal.gguf"
+    kcenter.calibrate(smollm2, out, n_tokens=512, n_ctx=512, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
 def text_file() -> Path:
     return assets.text_path()
 

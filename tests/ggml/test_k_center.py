@@ -29,13 +29,6 @@ def gemma3_cal(gemma3, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def smol_cal(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("kc") / "smol-cal.gguf"
-    kcenter.calibrate(smollm2, out, n_tokens=512, n_ctx=512, progress=False)
-    return out
-
-
 def _eval_ids(model, text_file, n):
     import llama_cpp
 

@@ -16,19 +16,11 @@ import numpy as np
 import pytest
 
 from rotaryquant import bindings
-from rotaryquant.converter import kcenter
 from rotaryquant.eval.logits import kld as _kld
 
 pytestmark = pytest.mark.slow
 
 PROMPT = "The three most important inventions of the nineteenth century were"
-
-
-@pytest.fixture(scope="module")
-def smol_cal(smollm2, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dfr") / "smol-cal.gguf"
-    kcenter.calibrate(smollm2, out, n_tokens=512, n_ctx=512, progress=False)
-    return out
 
 
 def _ids(model, n: int, offset: int = 0) -> list[int]:

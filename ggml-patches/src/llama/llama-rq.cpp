@@ -138,6 +138,21 @@ std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hp, u
     return res;
 }
 
+std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec) {
+    if (spec == nullptr || strcmp(spec, "model") != 0) {
+        return spec ? spec : "";
+    }
+    const auto it = model.gguf_kv.find("rotaryquant.kv_alloc.layer_types");
+    if (it == model.gguf_kv.end() || it->second.empty()) {
+        throw std::runtime_error("kv_layer_types = model: this model stores no per-layer K/V types; run "
+            "rq-calibrate --kv-bits 3.5 on it, or give the types (e.g. full=q8_0/isoquant3_0)");
+    }
+    const auto bits = model.gguf_kv.find("rotaryquant.kv_alloc.bits");
+    LLAMA_LOG_WARN("%s: per-layer K/V types from the model (rq-calibrate --kv-bits, %s bits/value): %s\n", __func__,
+                   bits == model.gguf_kv.end() ? "?" : bits->second.c_str(), it->second.c_str());
+    return it->second;
+}
+
 //
 // K-centring calibration in the GGUF (stock builds ignore the unknown keys)
 //

@@ -34,6 +34,10 @@ struct llama_rq_k_center {
 // with the fix on a spec that does not parse or a type the layer's head size cannot take)
 std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hparams, uint32_t il, ggml_type type_k, ggml_type type_v);
 
+// the context's kv_layer_types: "model" is the allocation rq-calibrate --kv-bits stored in the model
+// (rotaryquant.kv_alloc.layer_types; throws with the fix when there is none), anything else is taken as given
+std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec);
+
 // architectures whose K cache is written or read outside build_attn: neither hook reaches them
 bool llama_rq_arch_unhooked(llm_arch arch);
 
