@@ -126,6 +126,7 @@ class _Runner:
         cp.n_ctx = cp.n_batch = len(toks)
         cp.n_ubatch = min(512, len(toks))
         cp.n_threads = cp.n_threads_batch = self.threads
+        cp.swa_full = False  # as the tools run (llama_context_default_params says True)
         cp.type_k, cp.type_v = (type_from_name(t) for t in kvtypes.split(spec))
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         layers = kvtypes.layer_types(spec)
@@ -181,11 +182,12 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
     import llama_cpp as L
     import llama_cpp._logger as llog
 
+    level = llog.logger.level
+    llog.set_verbose(False)  # llama.cpp's errors still print
     mp = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
     if not mp:
+        llog.logger.setLevel(level)
         raise ConvertError(f"llama.cpp could not load {model}", fix="see the log above")
-    level = llog.logger.level
-    llog.set_verbose(False)
     try:
         n_layer = L.llama_model_n_layer(mp)
         specs = [hi, lo, *(f"{hi}@{i}={lo}" for i in range(n_layer))]

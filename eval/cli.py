@@ -19,7 +19,7 @@ from pathlib import Path
 from rotaryquant import assets, data, kvtypes, paths
 from rotaryquant.errors import RQError, run_cli
 from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality, niah,
-                              report, serve, weights, weightspeed)
+                              report, roofline, serve, weights, weightspeed)
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
@@ -142,6 +142,14 @@ def cmd_ablation(ns: argparse.Namespace) -> None:
     res = ablation.run(_model(ns, assets.ISO_MODEL), data.evaluation_text(), ctx=ns.ctx, chunks=ns.chunks,
                        threads=ns.threads)
     _write(ns.out, res, ablation.to_markdown(res))
+
+
+def cmd_roofline(ns: argparse.Namespace) -> None:
+    configs = [kvbench.config(t) for t in _names(ns.types)]
+    res = roofline.run(_model(ns, assets.ISO_MODEL), configs=configs, depths=_ints(ns.depths, "--depths"),
+                       n_gen=ns.n_gen, reps=ns.reps, threads=ns.threads)
+    _write(ns.out, res, roofline.to_markdown(res))
+    roofline.plot(res, ns.out.with_suffix(".png"))
 
 
 def cmd_niah(ns: argparse.Namespace) -> None:
@@ -296,6 +304,14 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
             cmd_ablation, out="ablation")
     a.add_argument("--ctx", type=int, default=512, help="context size")
     a.add_argument("--chunks", type=int, default=8, help="chunks")
+
+    rl = add("roofline", "decode t/s vs the memory-bandwidth limit (triad bandwidth, bytes per step) per depth",
+             cmd_roofline, out="roofline")
+    rl.add_argument("--types", default="f16,q8_0,q4_0,isoquant3_0,isoquant3_0-unfused",
+                    help="cache configurations as rq-eval bench takes them (TYPE, K/V, TYPE-unfused, +calib)")
+    rl.add_argument("--depths", default="0,2048,8192", help="depths, comma-separated")
+    rl.add_argument("--n-gen", type=int, default=32, help="decode tokens per measurement")
+    rl.add_argument("-r", "--reps", type=int, default=2, help="interleaved rounds")
 
     n = add("niah", "multi-key needle in a haystack per KV type, context and depth", cmd_niah, out="niah",
             model="GGUF (default: the embedded Gemma3-270M, 32K context)")

@@ -1,0 +1,64 @@
+"""The decode roofline's inputs (eval/roofline.py): bytes per step and the triad bandwidth."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rotaryquant.eval import roofline
+
+
+def _gguf(path, names):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, shape in names.items():
+        w.add_tensor(name, np.zeros(shape, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_weight_bytes_read_one_embedding_row_unless_the_output_is_tied(tmp_path):
+    emb, blk = (100, 8), (8, 8)  # numpy shape: 100 rows of 8
+    sep = _gguf(tmp_path / "sep.gguf", {"token_embd.weight": emb, "output.weight": emb, "blk.0.w": blk})
+    tied = _gguf(tmp_path / "tied.gguf", {"token_embd.weight": emb, "blk.0.w": blk})
+    assert roofline.weight_bytes(sep) == (8 + 800 + 64) * 4
+    assert roofline.weight_bytes(tied) == (800 + 64) * 4
+
+
+@pytest.mark.parametrize("depth", [0, 2048, 8192])
+def test_kv_bytes_are_the_cells_a_decode_step_attends(gemma3, depth):
+    # Gemma3-270M: 18 layers of 1 KV head x 256; layers 5, 11, 17 attend everything (cells: the context, padded
+    # to 256), the 15 sliding-window layers a cache of window 512 + ubatch 512 cells
+    kv = roofline.kv_bytes(gemma3, ["f16", "isoquant3_0"], [depth], n_gen=32)
+    full = math.ceil(max(depth + 32, 256) / 256) * 256
+    swa = min(full, 1024)
+    cells = 3 * full + 15 * swa
+    assert kv[("f16", depth)] == cells * 2 * 256 * 2          # K and V, 2 bytes per value
+    assert kv[("isoquant3_0", depth)] == cells * 2 * 2 * 50   # 2 blocks of 50 bytes per 256-wide row
+
+
+def test_triad_bandwidth_is_measured_on_a_graph_that_ran():
+    bw = roofline.triad_bandwidth(2, mib=16, reps=2)  # raises when the sum is wrong
+    assert 1e8 < bw < 1e13
+
+
+def test_prediction_is_bandwidth_over_step_bytes(gemma3):
+    b = roofline.bounds(gemma3, ["f16"], [0], bandwidth=1e10)[0]
+    assert b.predicted_tps == pytest.approx(1e10 / (roofline.weight_bytes(gemma3) + b.kv_bytes))
+
+
+def test_report_and_plot(tmp_path):
+    row = dict(label="f16", cache="f16", unfused=False, depth=0, weight_bytes=2 << 20, kv_bytes=1 << 20,
+               bandwidth=3e9, predicted_tps=1000.0, step_bytes=3 << 20, tg_tps=800.0, tg_std=1.0,
+               measured_over_predicted=0.8, tg_vs_f16=1.0, predicted_vs_f16=1.0)
+    res = {"model": "m.gguf", "machine": "test", "bandwidth": {"before": 3e9, "after": 3e9, "used": 3e9,
+           "triad_mib": 128, "threads": 2}, "settings": {"n_gen": 32, "reps": 2}, "rows": [row]}
+    md = roofline.to_markdown(res)
+    assert "| 0 | f16 | 2 | 1.0 | 1000.0 | 800.0 | 0.80 | 1.00 | 1.00 |" in md
+    assert roofline.plot(res, tmp_path / "r.png").stat().st_size > 1000
