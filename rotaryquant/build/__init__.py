@@ -8,6 +8,7 @@ One module per concern, in the order ``setup`` runs them:
 - ``sdist``: the lock, the pinned sdist (download, checksum, unpack to ``pristine``)
 - ``tree``: the unpacked tree's state stamp and our source links
 - ``patches``: ggml-patches/*.patch applied (git am) and exported (git format-patch)
+- ``ui``: llama-server's web UI built with npm into the cache, linked in as ``tools/ui/dist``
 - ``cmake``: configure and build (targets, CPU flags, CUDA extras)
 - ``install``: gguf-py, llama-cpp-python, rotaryquant into the venv; llama_cpp/lib -> our build
 - ``common``: the error, log, subprocess/git runners and JSON stamps they all use

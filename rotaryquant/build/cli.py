@@ -20,8 +20,9 @@ from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, VULKAN_TARGETS, confi
 from rotaryquant.build.common import SetupError, log
 from rotaryquant.build.install import install_python
 from rotaryquant.build.patches import apply_patches, export_patches
-from rotaryquant.build.sdist import fetch_sdist, read_lock, unpack
+from rotaryquant.build.sdist import Lock, fetch_sdist, read_lock, unpack
 from rotaryquant.build.tools import check_tools, ensure_ccache, ensure_vulkan
+from rotaryquant.build.ui import ensure_ui
 from rotaryquant.build.venv import ensure_python_deps, ensure_venv, venv_python
 from rotaryquant.errors import run_cli
 
@@ -43,7 +44,7 @@ def _backend(ns: argparse.Namespace) -> tuple[str, list[str], list[str]]:
     return ns.flavour or flavour, extra, targets
 
 
-def _patched_tree(ccache: bool = True) -> None:
+def _patched_tree(ccache: bool = True) -> Lock:
     """Tools, the venv, and the pinned sdist unpacked and patched (every step skipped when done)."""
     check_tools()
     if ccache:
@@ -53,10 +54,16 @@ def _patched_tree(ccache: bool = True) -> None:
     lock = read_lock()
     unpack(lock, fetch_sdist(lock))
     apply_patches(lock)
+    return lock
+
+
+def _ui(ns: argparse.Namespace, lock: Lock) -> None:
+    """The web UI linked into the tree (or not: --no-ui, no npm, a failed npm build) before building."""
+    ensure_ui(lock.llama_cpp_commit or lock.version, skip=ns.no_ui)
 
 
 def cmd_setup(ns: argparse.Namespace) -> None:
-    _patched_tree()
+    _ui(ns, _patched_tree())
     flavour, extra, targets = _backend(ns)
     configure_and_build(flavour, extra, ns.jobs, targets)
     install_python(flavour)
@@ -66,7 +73,7 @@ def cmd_setup(ns: argparse.Namespace) -> None:
 
 
 def cmd_build(ns: argparse.Namespace) -> None:
-    _patched_tree()
+    _ui(ns, _patched_tree())
     flavour, extra, targets = _backend(ns)
     configure_and_build(flavour, extra, ns.jobs, ns.target or targets)
     log(f"built {paths.bin_dir(flavour)}")
@@ -96,6 +103,8 @@ def _main(argv: list[str] | None) -> None:
         x.add_argument("--flavour", help="build folder name under build/ (default: cpu, cuda or vulkan)")
         x.add_argument("--cmake-arg", action="append", help="extra CMake argument (repeatable)")
         x.add_argument("-j", "--jobs", type=int, help="parallel build jobs (default: all cores)")
+        x.add_argument("--no-ui", action="store_true",
+                       help="build llama-server without its web UI (skips npm; also RQ_NO_UI=1)")
     s.add_argument("--no-assets", action="store_true", help="skip the default model and text")
     s.set_defaults(fn=cmd_setup)
     b.add_argument("--target", action="append", help="build only this target (repeatable; default: all of setup's)")

@@ -25,6 +25,7 @@ class Lock:
     version: str
     sdist: str
     sha256: str
+    llama_cpp_commit: str = ""  # upstream llama.cpp's commit inside the sdist (labels the web UI build)
 
 
 def read_lock() -> Lock:
@@ -34,7 +35,7 @@ def read_lock() -> Lock:
         if line:
             k, v = (s.strip() for s in line.split("=", 1))
             kv[k] = v
-    return Lock(kv["package"], kv["version"], kv["sdist"], kv["sha256"])
+    return Lock(kv["package"], kv["version"], kv["sdist"], kv["sha256"], kv.get("llama_cpp_commit", ""))
 
 
 def fetch_sdist(lock: Lock) -> Path:
