@@ -1,6 +1,7 @@
 """The system tools set-up needs: git and a C/C++ compiler, ccache (installed when root and apt-get
-allow), CMake >= 3.21 (the system's, or the one pip puts in the venv), and for --vulkan the Vulkan headers,
-loader, glslc and Mesa's drivers (lavapipe: a Vulkan device on the CPU)."""
+allow), CMake >= 3.21 (the system's, or the one pip puts in the venv), for --vulkan the Vulkan headers,
+loader, glslc and Mesa's drivers (lavapipe: a Vulkan device on the CPU), and for the browser test Debian's
+Chromium."""
 
 from __future__ import annotations
 
@@ -52,6 +53,29 @@ def ensure_vulkan() -> None:
     if not _apt_install(VULKAN_PACKAGES):
         raise SetupError("--vulkan needs glslc and the Vulkan headers and loader; install them "
                          f"(Debian/Ubuntu, as root: apt-get install {' '.join(VULKAN_PACKAGES)})")
+
+
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+
+
+def chromium_exe() -> str | None:
+    """A Chromium or Chrome on PATH (RQ_CHROMIUM overrides), or None."""
+    override = os.environ.get("RQ_CHROMIUM")
+    if override:
+        return shutil.which(override)
+    return next((exe for exe in map(shutil.which, CHROMIUM_NAMES) if exe), None)
+
+
+def ensure_chromium() -> str | None:
+    """Chromium for the web UI's browser test, driven headless over CDP: installed from Debian's
+    `chromium` package when missing (apt-get, as root); None when that is not possible."""
+    exe = chromium_exe()
+    if exe:
+        return exe
+    log("installing chromium (apt-get) for the browser test")
+    if not _apt_install(["chromium"]):
+        return None
+    return chromium_exe()
 
 
 def cmake_ok(exe: str | None) -> bool:
