@@ -19,7 +19,7 @@ from pathlib import Path
 from rotaryquant import assets, data, kvtypes, paths
 from rotaryquant.errors import RQError, run_cli
 from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality, niah,
-                              report, roofline, serve, weights, weightspeed)
+                              report, roofline, serve, servertests, weights, weightspeed)
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
@@ -190,6 +190,17 @@ def cmd_soak(ns: argparse.Namespace) -> None:
           f"RSS growth {res['rss_growth_pct']}% (second half vs first half)")
     if res["malformed"] or res["rss_growth_pct"] > 5:
         raise RQError("soak failed: malformed responses or RSS growth above 5%")
+
+
+def cmd_server_tests(ns: argparse.Namespace) -> None:
+    if ns.render:
+        res = json.loads(ns.out.with_suffix(".json").read_text())
+    else:
+        res = servertests.run(_names(ns.configs), select=_names(ns.files), slow=ns.slow, threads=ns.threads,
+                              nice=ns.nice, keyword=ns.keyword, jobs=ns.jobs)
+        res["command"] = " ".join([ns.prog, *ns.argv])
+    servertests.annotate(res)
+    _write(ns.out, res, servertests.to_markdown(res))
 
 
 def cmd_convert_speed(ns: argparse.Namespace) -> None:
@@ -364,6 +375,18 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     so.add_argument("--kv", default="isoquant3_0", help="cache type")
     so.add_argument("--minutes", type=float, default=30.0, help="duration")
     so.add_argument("--clients", type=int, default=4, help="concurrent clients")
+
+    st = add("server-tests", "upstream llama.cpp's tools/server/tests/unit on local models, per cache setting: "
+             "pass/fail/skip per file, every failure explained", cmd_server_tests, out="server-upstream-tests",
+             model=None)
+    st.add_argument("--configs", default=",".join(servertests.CONFIGS),
+                    help=f"configurations, comma-separated, of {', '.join(servertests.CONFIGS)}")
+    st.add_argument("--files", default="", help="test files or ids under unit/, comma-separated (default: all)")
+    st.add_argument("-k", "--keyword", help="pytest -k expression")
+    st.add_argument("--slow", action="store_true", help="also upstream's slow tests (SLOW_TESTS=1)")
+    st.add_argument("--nice", type=int, default=10, help="niceness of the servers")
+    st.add_argument("-j", "--jobs", type=int, default=1, help="configurations run at once (each its own port)")
+    st.add_argument("--render", action="store_true", help="no run: rewrite STEM.md from STEM.json")
 
     c = add("convert-speed", "rq-convert vs convert_hf_to_gguf + llama-quantize: M weights/s, peak RSS",
             cmd_convert_speed, out="convert-bench", model=None, threads=False)
