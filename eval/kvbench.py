@@ -156,11 +156,19 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
                                        deferred=DEFERRED in label):
                 s = samples.setdefault((label, int(rec.get("n_depth", 0))), {"pp": [], "tg": []})
                 s["pp" if int(rec["n_gen"]) == 0 else "tg"].append(float(rec["avg_ts"]))
+    per_token = {c: shape.bytes_per_token(c) for _, c, _ in configs}
+    mixed = [c for c in per_token if kvtypes.layer_types(c)]
+    if mixed:  # per-layer types: llama.cpp's own accounting (bits per value x values per token)
+        from rotaryquant.plan.accounting import kv_bits_or_none
+
+        values = sum(shape.n_embd_k_gqa) + sum(shape.n_embd_v_gqa)
+        for c, b in kv_bits_or_none(model, mixed, 4096, progress).items():
+            per_token[c] = b / 8 * values
     rows: list[BenchRow] = []
     for label, ctype, unfused in configs:
         for depth in depths:
             s = samples.get((label, depth), {"pp": [], "tg": []})
-            row = BenchRow(label, ctype, unfused, depth, kv_bytes_per_token=shape.bytes_per_token(ctype))
+            row = BenchRow(label, ctype, unfused, depth, kv_bytes_per_token=per_token[ctype])
             if s["pp"]:
                 row.pp_tps, row.pp_std = statistics.fmean(s["pp"]), statistics.pstdev(s["pp"])
             if s["tg"]:
