@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -44,10 +45,54 @@ CHAT_MODEL = "smollm2-135m"
 FIM_MODEL = "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"  # optional, in the models cache: test_infill
 WORK = paths.REPO / "build" / "server-tests"
 
-# Why a failing test fails: test-id glob (FILE::TEST[params]) -> (kind, explanation). Kinds: "model" (upstream
-# asserts text or behaviour of its own tiny models, not ours), "limit" (a documented limit of our cache types),
-# "defect" (ours, open). Configurations are globbed too: (config glob, test glob).
-EXPLAINED: dict[tuple[str, str], tuple[str, str]] = {}
+# Why a failing test fails, first match wins: (configuration glob, test-id glob FILE::TEST[params], regex searched
+# in the error message or "") -> (kind, explanation). Kinds: "model" (upstream asserts text, token counts or
+# behaviour of its own tiny models, not of the stand-in), "limit" (a documented limit of our cache types),
+# "env" (this machine), "defect" (ours, open). A failure that matches nothing is reported as unexplained.
+STORIES = "upstream's expected text is what its stories260K/stories15M models write"
+EXPLAINED: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("*", "*", r"match_regex\("): ("model", f"{STORIES}; SmolLM2 writes other words"),
+    ("*", "*", r"Server process died"): (
+        "env", "the test forces -fa off or names ../../../models/templates/*.jinja relative to upstream's tests "
+        "folder; see the runner note (-fa off: a quantised V cache needs flash attention, a documented limit; "
+        "the template path: the run's working folder, fixed after this run, not yet re-run)"),
+    ("*", "test_chat_completion.py::*", r"^assert \d+ == \d+"): (
+        "model", "prompt/completion token counts of stories260K's tokenizer and template (SmolLM2 counts fewer, "
+        "or stops at its end-of-turn token)"),
+    ("*", "test_chat_completion.py::test_chat_template", ""): ("model", "expects the llama tokenizer's '<s>' BOS"),
+    ("*", "test_completion.py::test_completion_response_fields*", ""): (
+        "model", "expects the llama tokenizer's '<s>' BOS"),
+    ("*", "test_tokenize.py::test_tokenize_with_bos", ""): ("model", "BOS id 1 hard-coded; SmolLM2 adds no BOS"),
+    ("*", "test_completion.py::test_completion*", r"^assert \d+ == \d+"): (
+        "model", "prompt token counts of stories260K's tokenizer"),
+    ("*", "test_completion.py::test_completion_prompt_cache", ""): (
+        "model", "token counts of stories260K's tokenizer (126 + 0 vs 212)"),
+    ("*", "test_completion.py::test_nocache_long_input_prompt", ""): (
+        "model", "the prompt is sized to exceed stories260K's context in its tokens; SmolLM2's tokenizer makes it fit"),
+    ("isoquant3_0-deferred", "test_completion.py::*", ""): (
+        "limit", "the second identical request reuses the cached prompt, which --kv-deferred stores quantised while "
+        "the first attended its F16 copy: the two differ by design (docs: deferred prefill), not a server fault"),
+    ("*", "test_ctx_shift.py::*", ""): (
+        "model", "token counts of stories260K (it never stops; SmolLM2 emits its end token, and with the "
+        "isoquant3_0 cache at another step) and a prompt sized in stories260K tokens to exceed the context"),
+    ("*", "test_embedding.py::*", ""): (
+        "model", "a causal LM stands in for bge-small: token counts without BOS/SEP (7 vs 9), its error wording "
+        "for a too-long prompt ('exceeds the available context size' vs 'too large'), a BERT's mixed-input "
+        "and pooling-none row counts"),
+    ("*", "test_infill.py::*", ""): ("model", f"{STORIES}"),
+    ("*", "test_mcp_servers.py::*", r"NameError"): (
+        "env", "upstream test bug: uses a global `server` that its router fixture (skipped here) sets"),
+    ("*", "test_proxy.py::test_mcp_proxy", ""): ("env", "fetches http://example.com; no internet here"),
+    ("*", "test_slot_save.py::*", ""): (
+        "model", "expects stories260K's 'Whiskers|Flana' and token counts; SmolLM2 answered with an empty text "
+        "in all three configurations alike, so not the cache; why it is empty was not investigated"),
+    ("isoquant3_0-deferred", "test_sleep.py::test_server_sleep_read_only_endpoints", ""): (
+        "defect", "ours: /metrics while sleeping comes from a snapshot, but `llamacpp:kv_deferred_peak_bytes` (patch "
+        "0004's counters) reads 0 instead of the awake 46080: our counter is read live, not from the snapshot"),
+    ("*", "test_speculative.py::*", r"match_regex|^assert \["): (
+        "model", "stories15M's text; with SmolLM2 as its own draft the drafted and plain outputs differ at token 15 "
+        "(batched vs single-token matmuls)"),
+}
 
 
 def tests_dir() -> Path:
@@ -120,8 +165,13 @@ def run_config(config: str, *, chat: Path, fim: Path | None, select: list[str], 
     """One pytest run of upstream's suite (or ``select``: files or ids under unit/) under ``config``."""
     tdir = tests_dir()
     log_dir.mkdir(parents=True, exist_ok=True)
-    work = log_dir / config
+    # upstream names chat templates as ../../../models/templates/X.jinja from its tests folder: the working
+    # folder is three levels below one that links to the tree's models/
+    root = log_dir / config
+    work = root / "a" / "b" / "c"
     work.mkdir(parents=True, exist_ok=True)
+    if not (root / "models").exists():
+        (root / "models").symlink_to(tdir.parents[2] / "models")
     (work / "tmp").mkdir(exist_ok=True)  # upstream's tests write ./tmp (slot files, the hub cache)
     wrapper = work / "llama-server"
     wrapper.write_text(f"#!/bin/sh\nexec nice -n {nice} {shlex.quote(str(tools.bin_dir() / 'llama-server'))} \"$@\"\n")
@@ -138,7 +188,7 @@ def run_config(config: str, *, chat: Path, fim: Path | None, select: list[str], 
     targets = [str(tdir / "unit" / s) for s in select] or [str(tdir / "unit")]
     cmd = [sys.executable, "-m", "pytest", *targets, "-c", str(tdir / "pytest.ini"), "--rootdir", str(tdir),
            "-p", "rotaryquant.eval.servertests_shim", "-p", "no:cacheprovider", "--junitxml", str(xml),
-           "-o", "junit_family=xunit1", "--timeout", str(per_test_timeout), "-q", "-rN"]
+           "-o", "junit_family=xunit1", "--timeout", str(per_test_timeout), "-v", "--tb=short", "-rN"]
     if not slow:
         cmd += ["-m", "not slow"]
     if keyword:
@@ -156,8 +206,9 @@ def run_config(config: str, *, chat: Path, fim: Path | None, select: list[str], 
 
 
 def explain(config: str, case: Case) -> tuple[str, str]:
-    for (cglob, tglob), why in EXPLAINED.items():
-        if fnmatch.fnmatchcase(config, cglob) and fnmatch.fnmatchcase(case.id, tglob):
+    for (cglob, tglob, rx), why in EXPLAINED.items():
+        if fnmatch.fnmatchcase(config, cglob) and fnmatch.fnmatchcase(case.id, tglob) \
+                and (not rx or re.search(rx, case.message)):
             return why
     return ("unexplained", "")
 
@@ -195,7 +246,7 @@ def annotate(res: dict) -> dict:
     for c in res["configs"]:
         for x in c["cases"]:
             if x["outcome"] == "failed":
-                x["kind"], x["why"] = explain(c["config"], Case(x["file"], x["name"], x["outcome"], 0))
+                x["kind"], x["why"] = explain(c["config"], Case(x["file"], x["name"], x["outcome"], 0, x["message"]))
     return res
 
 
