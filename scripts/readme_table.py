@@ -87,6 +87,17 @@ def needles(name: str, cache: str, ctx: int = DEPTH) -> str:
     return f"{sum(r['found'] for r in rows)}/{sum(r['asked'] for r in rows)}"
 
 
+ALLOC = "isoquant3_0@model+calib"  # the per-layer types rq-calibrate --kv-bits stored in the model
+N_NIAH = 24                         # needles asked at one context (8 per depth x 3 depths)
+
+
+def decode_kld(name: str, cache: str, prefill: int = DEPTH) -> float:
+    rows = [r for r in load(name)["rows"] if r["cache"] == cache and r["prefill"] == prefill and r["deferred"]]
+    if len(rows) != 1:
+        raise KeyError(f"{name}.json: {len(rows)} deferred rows for {cache!r} at prefill {prefill}")
+    return rows[0]["kld_mean"]
+
+
 def calib_cost() -> str:
     """Decode t/s with K centring over without, range over types and depths (kv-bench-kc)."""
     key = "tg_calib_over_plain"
@@ -138,6 +149,8 @@ def kv_rows() -> list[tuple[str, ...]]:
         "iso3": ("kv-quality-kc-gemma3", "isoquant3_0+calib"),
         "q4": ("kv-quality-kc-gemma3", "q4_0+calib")}.items()}
     lost = int(needles("niah-kc", "isoquant3_0+calib").split("/")[0]) < int(needles("niah", f16).split("/")[0])
+    alloc_bits = next(r["bits_per_value"] for r in load("kv-quality-alloc-gemma3")["rows"] if r["label"] == ALLOC)
+    alloc_8k = needles("niah-8k-gemma3-alloc", ALLOC + " deferred")
     return [
         ("KV `f16`", f"{bits(f16):g}", f"0; needles {needles('niah', f16)}", tg(f16), "the reference"),
         ("KV `-ctk isoquant4_0 -ctv isoquant3_0`, K calibrated", f"{iso43:g}",
@@ -146,6 +159,12 @@ def kv_rows() -> list[tuple[str, ...]]:
          + f"; needles {needles('niah-kc', 'isoquant4_0/isoquant3_0+calib')}",
          "–", f"**recommended**: {16 / iso43:.1f}× smaller than f16; with `--kv-deferred`, needles "
          f"{needles('niah-8k-gemma3-deferred', 'isoquant4_0/isoquant3_0+self deferred')} (uncalibrated file)"),
+        ("KV `--kv-layer-types model` after `rq-calibrate --kv-bits 3.5`, with `--kv-deferred`", f"{alloc_bits:.3f}",
+         f"{sig3(kld('kv-quality-alloc-gemma3', ALLOC))} / –; needles {alloc_8k}", "–",
+         holds(alloc_8k == f"{N_NIAH}/{N_NIAH}" and alloc_bits <= 3.5,
+               "**for long context**: bits per layer chosen by measured KLD; decode KLD after 8K "
+               f"{sig3(decode_kld('decode-8k-alloc-gemma3', ALLOC))} (isoquant3_0: "
+               f"{sig3(decode_kld('decode-8k-alloc-gemma3', 'isoquant3_0+calib'))})")),
         ("KV `isoquant4_0` K and V, K calibrated", f"{bits('isoquant4_0'):g}",
          kld_pair(("kv-quality-kc-gemma3-iso4", "isoquant4_0+calib"), ("kv-quality-kc-qwen-iso4", "isoquant4_0+calib"),
                   qwen_ctx=512),
