@@ -23,8 +23,8 @@ With --kv-bits B it also chooses which layers' caches keep more bits (docs/usage
 types"): each layer's KLD cost at the narrower pair is measured on the calibration text, the least
 sensitive layers are narrowed until the cache averages B bits/value, and the result is stored as
 rotaryquant.kv_alloc.*. Use it with --kv-layer-types model (llama.cpp tools) or
-Llama(..., kv_layer_types="model"). It runs the model 2 + n_layer times per chunk: about 3 minutes for
-Gemma3-270M, 15 for Qwen2.5-1.5B on 2 cores.
+Llama(..., kv_layer_types="model"). It runs the model 3 + n_layer times per chunk: with 2 chunks,
+22 minutes for Gemma3-270M and 71 for Qwen2.5-1.5B on 2 cores that other jobs shared (quiet: less).
 
 Refused: models whose attention is not shift-invariant (logit soft-capping: Gemma2, Grok; attention
 sinks) and MLA models, where K doubles as V.

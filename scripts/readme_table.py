@@ -160,7 +160,8 @@ def kv_rows() -> list[tuple[str, ...]]:
          "–", f"**recommended**: {16 / iso43:.1f}× smaller than f16; with `--kv-deferred`, needles "
          f"{needles('niah-8k-gemma3-deferred', 'isoquant4_0/isoquant3_0+self deferred')} (uncalibrated file)"),
         ("KV `--kv-layer-types model` after `rq-calibrate --kv-bits 3.5`, with `--kv-deferred`", f"{alloc_bits:.3f}",
-         f"{sig3(kld('kv-quality-alloc-gemma3', ALLOC))} / –; needles {alloc_8k}", "–",
+         f"{sig3(kld('kv-quality-alloc-gemma3', ALLOC))} / –; needles {alloc_8k}, at 16K "
+         f"{needles('niah-16k-gemma3-alloc', ALLOC + ' deferred', ctx=16384)}", "–",
          holds(alloc_8k == f"{N_NIAH}/{N_NIAH}" and alloc_bits <= 3.5,
                "**for long context**: bits per layer chosen by measured KLD; decode KLD after 8K "
                f"{sig3(decode_kld('decode-8k-alloc-gemma3', ALLOC))} (isoquant3_0: "
