@@ -152,10 +152,14 @@ class _Runner:
             del keep
 
 
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Row-wise, in the array's dtype (here, not rotaryquant.eval's: the converter does not import eval)."""
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
 def _kld_sum(ref_lp: np.ndarray, logits: np.ndarray, rows: int = 64) -> float:
     """Sum over positions of KL(ref || run); ref_lp holds the reference's log-softmax (float32)."""
-    from rotaryquant.eval.logits import log_softmax
-
     tot = 0.0
     for a in range(0, len(ref_lp), rows):
         lp = ref_lp[a:a + rows].astype(np.float64)
@@ -170,7 +174,6 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
     """Measure each layer's sensitivity on ``chunks`` x ``n_ctx`` tokens of the text and choose the layers to
     lower so that the cache meets ``target`` bits/value."""
     from rotaryquant.converter.kcenter import _bar
-    from rotaryquant.eval.logits import log_softmax
     from rotaryquant.plan.accounting import kv_bits_per_value
     from rotaryquant.plan.errors import PlanError
 
