@@ -339,13 +339,18 @@ def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefi
         bar.close()
 
 
-def read_calibration(path: Path) -> dict[str, Any] | None:
-    """The rotaryquant.k_center.* keys of a GGUF (None when it has none)."""
+def read_keys(path: Path, prefix: str) -> dict[str, Any] | None:
+    """The keys of a GGUF under ``prefix``, without it (None when it has none)."""
     from gguf import GGUFReader
 
     r = GGUFReader(path)
-    out = {k[len(PREFIX):]: f.contents() for k, f in r.fields.items() if k.startswith(PREFIX)}
+    out = {k[len(prefix):]: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
     return out or None
+
+
+def read_calibration(path: Path) -> dict[str, Any] | None:
+    """The rotaryquant.k_center.* keys of a GGUF (None when it has none)."""
+    return read_keys(path, PREFIX)
 
 
 def calibrate(model: str | Path, output: str | Path | None = None, *, text: str | Path | None = None,

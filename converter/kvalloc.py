@@ -243,8 +243,6 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
 
 def read_allocation(path: Path) -> dict[str, Any] | None:
     """The rotaryquant.kv_alloc.* keys of a GGUF (None when it has none)."""
-    from gguf import GGUFReader
+    from rotaryquant.converter.kcenter import read_keys
 
-    r = GGUFReader(path)
-    out = {k[len(PREFIX):]: f.contents() for k, f in r.fields.items() if k.startswith(PREFIX)}
-    return out or None
+    return read_keys(path, PREFIX)

@@ -88,12 +88,13 @@ class Server:
 
 @contextmanager
 def launch(cmd: list[str], *, env: dict[str, str] | None = None, start_timeout: float = 180,
-           error: type[Exception] = None) -> Iterator[tuple[str, int, Path]]:
+           error: type[Exception] = None, web_ui: bool = False) -> Iterator[tuple[str, int, Path]]:
     """Start llama-server `cmd` (without host/port) on a free loopback port; yield (url, pid, log file); stop it
-    (SIGTERM, then kill) and remove the log. Switches inherited from the environment are dropped."""
+    (SIGTERM, then kill) and remove the log. Switches inherited from the environment are dropped. The web UI is
+    off unless ``web_ui``."""
     error = error or ServeError
     port = free_port()
-    full = [*cmd, "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    full = [*cmd, "--host", "127.0.0.1", "--port", str(port), *(() if web_ui else ("--no-webui",))]
     e = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ISOQUANT_", "GGML_ISOQUANT_", "LLAMA_ARG_"))}
     e.update(env or {})
     # the log goes to a file: an unread pipe fills up (64 KiB) and then blocks the server's main loop,

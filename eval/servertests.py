@@ -87,8 +87,8 @@ EXPLAINED: dict[tuple[str, str, str], tuple[str, str]] = {
         "model", "expects stories260K's 'Whiskers|Flana' and token counts; SmolLM2 answered with an empty text "
         "in all three configurations alike, so not the cache; why it is empty was not investigated"),
     ("isoquant3_0-deferred", "test_sleep.py::test_server_sleep_read_only_endpoints", ""): (
-        "defect", "ours: /metrics while sleeping comes from a snapshot, but `llamacpp:kv_deferred_peak_bytes` (patch "
-        "0004's counters) reads 0 instead of the awake 46080: our counter is read live, not from the snapshot"),
+        "defect", "ours, fixed in 6f2f508 (the deferred-prefill counters are part of the sleep-time /metrics "
+        "snapshot): kv_deferred_peak_bytes read 0 instead of the awake 46080; failing again is a regression"),
     ("*", "test_speculative.py::*", r"match_regex|^assert \["): (
         "model", "stories15M's text; with SmolLM2 as its own draft the drafted and plain outputs differ at token 15 "
         "(batched vs single-token matmuls)"),

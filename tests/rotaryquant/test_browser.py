@@ -6,11 +6,7 @@ write it elsewhere, e.g. docs/img/webui.png for the README)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,38 +55,15 @@ def test_chromium_types_like_a_keyboard_and_takes_screenshots(chromium_exe, tmp_
 
 
 @contextmanager
-def web_server(model: Path, template: Path, port: int) -> Iterator[tuple[str, Path]]:
+def web_server(model: Path, template: Path) -> Iterator[tuple[str, Path]]:
     """llama-server with its web UI (what a user runs), the recommended cache, greedy, short answers."""
-    log = Path(tempfile.mkstemp(prefix="rq-webui-server-", suffix=".log")[1])
+    from rotaryquant.eval.serve import launch
+
     cmd = [str(paths.bin_dir() / "llama-server"), "-m", str(model), "-c", "2048", "-np", "1", "-t", "2",
            "-fa", "on", "-ctk", "isoquant4_0", "-ctv", "isoquant3_0", "--metrics", "-lv", "4",
-           "-n", "64", "--temp", "0", "--chat-template-file", str(template), "-r", "Question:",
-           "--host", "127.0.0.1", "--port", str(port)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LLAMA_ARG_", "LLAMA_ISOQUANT_", "GGML_ISOQUANT_"))}
-    with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, f"llama-server exited: {log.read_text()[-2000:]}"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            assert time.time() < deadline, "llama-server did not become healthy in 180 s"
-            time.sleep(0.3)
+           "-n", "64", "--temp", "0", "--chat-template-file", str(template), "-r", "Question:"]
+    with launch(cmd, web_ui=True, error=AssertionError) as (base, _pid, log):
         yield base, log
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +77,7 @@ def gemma3_kc(gemma3, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_web_ui_chat_streams_an_answer_from_the_isoquant_cache(chromium_exe, gemma3_kc, free_port, tmp_path,
+def test_web_ui_chat_streams_an_answer_from_the_isoquant_cache(chromium_exe, gemma3_kc, tmp_path,
                                                                sane_text):
     from rotaryquant.browser import chromium
     from rotaryquant.eval.serve import metrics
@@ -114,7 +87,7 @@ def test_web_ui_chat_streams_an_answer_from_the_isoquant_cache(chromium_exe, gem
     template = tmp_path / "qa.jinja"
     template.write_text(QA_TEMPLATE)
     shot = Path(os.environ.get("RQ_WEBUI_SCREENSHOT") or paths.build_dir() / "webui.png")
-    with web_server(gemma3_kc, template, free_port) as (base, log), \
+    with web_server(gemma3_kc, template) as (base, log), \
             chromium(chromium_exe, width=1100, height=640) as page:
         page.goto(base + "/")
         page.wait_for("!!document.querySelector('textarea')", 60, "the chat box did not appear")
