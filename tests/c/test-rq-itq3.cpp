@@ -47,7 +47,7 @@ int main() {
     std::student_t_distribution<float> td(3.0f);
 
     for (int k : {256, 1536, 4096}) {
-        for (int n : {1, 5}) {
+        for (int n : {1, 5, 8, 64}) {   // n >= 8: ggml-cpu's tiled matmul (rq-tiled.h) on x86
             const int m = 48;
             std::vector<float> w((size_t) k*m), x((size_t) k*n);
             for (auto & v : w) v = 0.02f*td(rng);
@@ -81,6 +81,25 @@ int main() {
             if (getenv("RQ_VERBOSE")) printf("k=%d n=%d fused %.3g f32 %.3g\n", k, n, e_fast, e_deq);
             CHECK(e_fast < 1e-2, "k=%d n=%d: fused ITQ3_S matmul vs dequantised twin rel err %.3g", k, n, e_fast);
             CHECK(e_deq < 1e-5, "k=%d n=%d: F32 matmul of the dequantised weights rel err %.3g", k, n, e_deq);
+
+            // the vec_dot twin on the same Q8_ITQ activations: per output one ggml_vec_dot_itq3_s_q8_itq call.
+            // The tiled path takes the same integer sums (exact) and differs only in float rounding.
+            {
+                const auto * tq = ggml_get_type_traits_cpu(GGML_TYPE_Q8_ITQ);
+                const ggml_vec_dot_t vd = ggml_get_type_traits_cpu(GGML_TYPE_ITQ3_S)->vec_dot;
+                const size_t rs = ggml_row_size(GGML_TYPE_Q8_ITQ, k), ws = ggml_row_size(GGML_TYPE_ITQ3_S, k);
+                std::vector<uint8_t> xq(rs*n);
+                for (int r = 0; r < n; ++r) tq->from_float(&x[(size_t) r*k], xq.data() + r*rs, k);
+                double e = 0, d = 0;
+                for (int r = 0; r < n; ++r)
+                    for (int i = 0; i < m; ++i) {
+                        float v;
+                        vd(k, &v, 0, packed.data() + i*ws, 0, xq.data() + r*rs, 0, 1);
+                        e += (fast[(size_t) r*m + i] - v)*(fast[(size_t) r*m + i] - v);
+                        d += (double) v*v;
+                    }
+                CHECK(sqrt(e/d) < 1e-6, "k=%d n=%d: matmul vs per-output vec_dot rel err %.3g", k, n, sqrt(e/d));
+            }
 
             // same result with one thread (the per-row activation conversion is chunked by threads)
             const std::vector<float> one = matmul(GGML_TYPE_ITQ3_S, w, x, k, m, n, 1);

@@ -565,6 +565,38 @@ void quantize_row_q8_itq(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     }
 }
 
+// one block's 256 codes as grid[q] + 128, in element order, for ggml-cpu's tiled matmul (rq-tiled.h), which
+// multiplies them against many activation columns, so the unpack is paid once per tile
+void ggml_rq_itq3_codes(const void * GGML_RESTRICT vx, uint8_t * GGML_RESTRICT dst) {
+    const block_itq3_s * GGML_RESTRICT x = vx;
+#if defined(__AVX2__)
+    // the vec_dot's chunk layout (codes 32c..32c+31) with a table of grid + 128 (= grid ^ 0x80)
+    const __m256i gtab = _mm256_broadcastsi128_si256(_mm_xor_si128(_mm_loadl_epi64((const __m128i *) itq3_grid),
+                                                                   _mm_set1_epi8((char) 0x80)));
+    const __m256i m3   = _mm256_set1_epi8(3);
+    const __m256i m4   = _mm256_set1_epi8(4);
+    const __m256i lo0  = _mm256_loadu_si256((const __m256i *) (x->qs +  0));
+    const __m256i lo1  = _mm256_loadu_si256((const __m256i *) (x->qs + 32));
+    const __m256i hi   = _mm256_loadu_si256((const __m256i *) x->qh);
+#define RQ_ITQ3_CODES(c, l, h) _mm256_storeu_si256((__m256i *) (dst + 32*(c)), \
+        _mm256_shuffle_epi8(gtab, _mm256_or_si256(_mm256_and_si256(l, m3), _mm256_and_si256(h, m4))))
+    RQ_ITQ3_CODES(0, lo0,                         _mm256_slli_epi16(hi, 2));
+    RQ_ITQ3_CODES(1, lo1,                         _mm256_slli_epi16(hi, 1));
+    RQ_ITQ3_CODES(2, _mm256_srli_epi16(lo0, 2), hi);
+    RQ_ITQ3_CODES(3, _mm256_srli_epi16(lo1, 2), _mm256_srli_epi16(hi, 1));
+    RQ_ITQ3_CODES(4, _mm256_srli_epi16(lo0, 4), _mm256_srli_epi16(hi, 2));
+    RQ_ITQ3_CODES(5, _mm256_srli_epi16(lo1, 4), _mm256_srli_epi16(hi, 3));
+    RQ_ITQ3_CODES(6, _mm256_srli_epi16(lo0, 6), _mm256_srli_epi16(hi, 4));
+    RQ_ITQ3_CODES(7, _mm256_srli_epi16(lo1, 6), _mm256_srli_epi16(hi, 5));
+#undef RQ_ITQ3_CODES
+#else
+    for (int i = 0; i < QK_ITQ; ++i) {
+        const int q = ((x->qs[i & 63] >> (2*(i >> 6))) & 3) | (((x->qh[i & 31] >> (i >> 5)) & 1) << 2);
+        dst[i] = (uint8_t) (itq3_grid[q] + 128);
+    }
+#endif
+}
+
 void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc) {
     assert(nrc == 1);
