@@ -60,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a GGUF) or a temporary Q8_0 conversion of it (HF), measuring (1) per 256-column block "
                         "the Gram matrix of every ITQ3_S weight's inputs, which the ITQ3_S quantiser then "
                         "minimises the output error with (LDLQ), and (2) K-cache centring statistics, stored in "
-                        "the output as rq-calibrate does. See docs/converter.md")
+                        "the output as rq-calibrate does. On by default (packaged text) when the recipe or an "
+                        "override emits ITQ3_S; --dry-run says so. See docs/converter.md")
+    p.add_argument("--no-calibrate", action="store_true",
+                   help="do not calibrate ITQ3_S recipes (faster; ITQ3_S then loses to IQ3_S+imatrix)")
     p.add_argument("--calibration-tokens", type=int, default=kcenter.DEFAULT_TOKENS, metavar="N",
                    help=f"tokens of TEXT to use (default {kcenter.DEFAULT_TOKENS}, at least {kcenter.MIN_TOKENS})")
     p.add_argument("--save-calibration", metavar="FILE.npz",
@@ -90,13 +93,14 @@ def _main(argv: list[str] | None) -> None:
         raise UsageError("no output file given (rq-convert SOURCE OUT.gguf, or --dry-run)")
     if args.calibration_data and args.calibrate is not None:
         raise UsageError("--calibrate measures statistics, --calibration-data reuses them; give one")
-    if args.save_calibration and args.calibrate is None:
-        raise UsageError("--save-calibration needs --calibrate TEXT")
+    if args.no_calibrate and (args.calibrate is not None or args.calibration_data):
+        raise UsageError("--no-calibrate contradicts --calibrate / --calibration-data; give one")
     opts = Options(recipe=args.recipe, tensor_types=args.tensor_type, imatrix=args.imatrix,
                    kurtosis_threshold=args.kurtosis_threshold, act_kurtosis_threshold=args.act_kurtosis_threshold,
                    promote=not args.no_promote, measure=True if args.table == "full" or args.dry_run else None,
                    dry_run=args.dry_run, threads=args.threads, tensor_backend=args.tensor_backend,
                    progress=not args.no_progress, verbose=args.verbose, calibrate=args.calibrate,
+                   auto_calibrate=not args.no_calibrate,
                    calibration_data=args.calibration_data, save_calibration=args.save_calibration,
                    calibration_tokens=args.calibration_tokens)
     try:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from rotaryquant.converter import gguf_source, hf, kcenter
+from rotaryquant.converter.calibrate_step import (_calibration, _check_calibration_used, _dry_run_calibration_note,
+                                                  resolve_calibration)
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.imatrix import check_shape, load_imatrix
@@ -63,6 +65,7 @@ class Options:
     verbose: bool = False
     # second-order (ITQ3_S) and K-centring calibration, one llama.cpp pass (see calibration.py)
     calibrate: str | Path | None = None          # calibration text; "" = the packaged calibration text
+    auto_calibrate: bool = True                  # calibrate=None: recipes that emit ITQ3_S calibrate anyway
     calibration_data: str | Path | None = None   # reuse statistics saved with save_calibration (.npz)
     save_calibration: str | Path | None = None   # also write the measured statistics there (.npz)
     calibration_tokens: int = kcenter.DEFAULT_TOKENS
@@ -83,6 +86,7 @@ class Result:
     notes: list[str] = field(default_factory=list)
     calibration: Stats | None = None
     calibrated: list[str] = field(default_factory=list)   # tensors quantised with their Gram blocks
+    calibration_default: bool = False                     # calibrated because the recipe emits ITQ3_S
 
     @property
     def weights_per_second(self) -> float:
@@ -343,136 +347,6 @@ def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, i
             bar.close()
 
 
-# --- calibration ------------------------------------------------------------------------------------
-
-_HIGH_PRECISION = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)
-
-
-def itq3_wanted(planner: Planner) -> Callable[[str], bool]:
-    """Weights the recipe (or a --tensor-type override) makes ITQ3_S, before the kurtosis rule: the
-    ones worth second-order statistics."""
-    def want(name: str) -> bool:
-        role = R.classify(name, 2)
-        t = planner.recipe.types.get(role)
-        for ov in planner.overrides:
-            if ov.regex.search(name):
-                t = ov.qtype
-                break
-        return t == QT.ITQ3_S
-
-    return want
-
-
-def _calibration_text(opts: Options) -> tuple[bytes, str]:
-    text = opts.calibrate
-    if not text:
-        from rotaryquant.data import calibration_text
-
-        text = calibration_text()
-    path = Path(text).expanduser()
-    if not path.is_file():
-        raise ConvertError(f"calibration text {path} does not exist", fix="give a UTF-8 text file: --calibrate FILE")
-    if opts.calibration_tokens < kcenter.MIN_TOKENS:
-        raise ConvertError(f"{opts.calibration_tokens} calibration tokens are below the minimum {kcenter.MIN_TOKENS}",
-                           fix=f"use {kcenter.MIN_TOKENS} or more")
-    data = path.read_bytes()[: opts.calibration_tokens * 16]  # ~4 bytes per token: ample
-    if len(data) < kcenter.MIN_TOKENS:                        # a token is at least one byte: fail early
-        raise ConvertError(f"calibration text {path.name} is too short: {len(data)} bytes, at least "
-                           f"{kcenter.MIN_TOKENS} tokens are needed", fix="pass a longer text with --calibrate")
-    return data, path.name
-
-
-def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner, opts: Options,
-                 result: Result) -> Stats | None:
-    """The statistics for this conversion: loaded (--calibration-data) or measured in one pass over the
-    source (a GGUF) or a temporary Q8_0 conversion of it (an HF model), deleted afterwards."""
-    from rotaryquant.converter import calibration as C
-
-    want = itq3_wanted(planner)
-    if opts.calibration_data:
-        stats = C.Stats.load(opts.calibration_data)
-        if kind == "gguf":
-            r = gguf_source.open_gguf(src)
-            stats.check(C.Identity.of_gguf(src, r), C.gguf_shapes(src, r), what=src.name)
-        result.notes.append(f"calibration statistics from {Path(opts.calibration_data).name}: {stats.summary()}")
-        return stats
-    if opts.calibrate is None:
-        return None
-    data, text_name = _calibration_text(opts)
-    tmp_q8 = None
-    try:
-        if kind == "gguf":
-            model = src
-        else:
-            tmp_q8 = _tmp(parent, name, ".calib.tmp")
-            log.info("converting %s to a temporary Q8_0 GGUF for calibration", src)
-            convert(src, tmp_q8, Options(recipe="q8_0", tensor_backend=opts.tensor_backend, threads=opts.threads,
-                                         progress=opts.progress, verbose=opts.verbose))
-            model = tmp_q8
-        stats = _measure(model, data, text_name, want, opts, what=src.name)
-    finally:
-        if tmp_q8 is not None:
-            with contextlib.suppress(OSError):
-                tmp_q8.unlink()
-    result.notes.append(stats.summary())
-    result.notes.extend(stats.notes)
-    if opts.save_calibration:
-        result.notes.append(f"calibration statistics saved to {stats.save(opts.save_calibration)}")
-    return stats
-
-
-def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], bool], opts: Options, *,
-             what: str) -> Stats:
-    from rotaryquant.converter import calibration as C
-
-    r = gguf_source.open_gguf(model)   # one parse (a 150k-token vocabulary takes seconds)
-    cands = [n for n, shp in C.gguf_shapes(model, r).items() if len(shp) == 2 and want(n) and shp[-1] % C.BLOCK == 0]
-    try:
-        kcenter.check_model(model, r)
-        k_why = None
-    except ConvertError as e:
-        k_why = e.message
-    if not cands and k_why is not None:
-        raise ConvertError(f"nothing to calibrate in {what}: no weight of recipe {opts.recipe} is ITQ3_S with rows "
-                           f"of a multiple of {C.BLOCK} values, and K centring does not apply ({k_why})",
-                           fix="drop --calibrate, or use an ITQ3_S recipe (e.g. --recipe itq3)")
-    stats = C.collect(model, data, text_name=text_name, want=want, k_stats=k_why is None,
-                      n_tokens=opts.calibration_tokens, n_ctx=opts.calibration_ctx, threads=opts.threads,
-                      progress=opts.progress, verbose=opts.verbose, reader=r)
-    low = sorted({t.tensor_type.name for t in r.tensors if len(t.shape) >= 2 and t.tensor_type not in _HIGH_PRECISION
-                  and R.classify(t.name, len(t.shape)) in R.PROMOTABLE})
-    if low:
-        stats.notes.append(f"calibration ran on {what} itself, whose linear weights are {'/'.join(low)} (a "
-                           "higher-precision source measures better statistics)")
-    if not cands:
-        stats.notes.append(f"no ITQ3_S weight with rows of a multiple of {C.BLOCK} in recipe {opts.recipe}: "
-                           "K centring only")
-    if k_why is not None:
-        stats.notes.append(f"K centring not measured: {k_why}")
-    moe = [n for n, why in stats.skipped.items() if "MUL_MAT_ID" in why]
-    if moe:
-        stats.notes.append(f"{len(moe)} MoE expert tensor(s) (e.g. {moe[0]}) have no statistics: expert matmuls "
-                           "(MUL_MAT_ID) are not collected, they are quantised without")
-    missing = [n for n in cands if n not in stats.group_of]
-    if missing:
-        why = {stats.skipped[n] for n in missing if n in stats.skipped} or {"no matmul read them"}
-        stats.notes.append(f"{len(missing)} ITQ3_S candidate weight(s) got no statistics ({'; '.join(sorted(why))}), "
-                           f"e.g. {missing[0]}")
-    return stats
-
-
-def _check_calibration_used(result: Result, opts: Options) -> None:
-    stats = result.calibration
-    if stats is None or opts.dry_run:
-        return
-    if opts.calibration_data and result.kind == "hf":   # a GGUF source was checked before converting
-        stats.check(stats.identity, {d.name: d.shape for d in result.planner.decisions}, what=result.source.name)
-    n_itq3 = sum(1 for d in result.planner.decisions if d.qtype == QT.ITQ3_S)
-    if n_itq3:
-        result.notes.append(f"{len(result.calibrated)} of {n_itq3} ITQ3_S tensors quantised with their input "
-                            "statistics (LDLQ)")
-
-
 # --- entry point ------------------------------------------------------------------------------------
 
 def convert(source: str | Path, output: str | Path | None, opts: Options | None = None) -> Result:
@@ -488,6 +362,10 @@ def convert(source: str | Path, output: str | Path | None, opts: Options | None 
                       act_threshold=opts.act_kurtosis_threshold, promote=opts.promote, imatrix=imatrix,
                       measure=opts.measure)
     result = Result(src, kind, None, planner, 0.0, 0)
+    opts, result.calibration_default = resolve_calibration(opts, planner)
+    if opts.save_calibration and opts.calibrate is None:
+        raise ConvertError("--save-calibration has nothing to save: this conversion does not calibrate",
+                           fix="add --calibrate (or drop --no-calibrate / --calibration-data)")
 
     if opts.dry_run:
         parent, out = Path(tempfile.gettempdir()), None
@@ -505,10 +383,10 @@ def convert(source: str | Path, output: str | Path | None, opts: Options | None 
             run = _convert_hf if kind == "hf" else _convert_gguf
             if not opts.dry_run:
                 result.calibration = _calibration(kind, src, parent, name, planner, opts, result)
-            elif opts.calibrate is not None or opts.calibration_data:
-                result.notes.append("dry run: calibration not run")
             run(src, tmp_out, data_file, planner, imatrix, opts,
                 _finalize(planner, opts, src, im_path, result), result)
+            if opts.dry_run and (opts.calibrate is not None or opts.calibration_data):
+                result.notes.append(_dry_run_calibration_note(kind, planner, opts, result))
             _check_calibration_used(result, opts)
         if not opts.dry_run:
             assert out is not None

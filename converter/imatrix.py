@@ -8,6 +8,7 @@ giving ``{NAME: array (n_mat, n_per_row)}`` ready for the quantisers and the act
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -56,3 +57,45 @@ def check_shape(imatrix: np.ndarray, name: str, shape: tuple[int, ...]) -> None:
         raise ConvertError(f"imatrix entry for {name} has shape {imatrix.shape}, the tensor has {n_mat} "
                            f"matri{'x' if n_mat == 1 else 'ces'} of {shape[-1]} columns",
                            fix="was the imatrix computed on this model?")
+
+
+def subset_imatrix(src: str | Path, dst: str | Path, names: list[str] | set[str]) -> Path:
+    """Copy only ``names``' entries of the imatrix ``src`` to ``dst`` (written to a temp file, renamed): an
+    A/B of one type on a tensor set, where an importance matrix must not also improve (or, through the
+    activation-kurtosis rule, re-type) the tensors outside it."""
+    import os
+    import tempfile
+
+    from gguf import GGUFReader, GGUFWriter
+
+    src, dst = Path(src), Path(dst)
+    load_imatrix(src)                                   # the same checks and errors as a full load
+    r = GGUFReader(src)
+    keep = {f"{n}{suffix}" for n in names for suffix in (".in_sum2", ".counts")}
+    tensors = [t for t in r.tensors if t.name in keep]
+    missing = sorted(set(names) - {t.name[:-len(".in_sum2")] for t in tensors if t.name.endswith(".in_sum2")})
+    if missing:
+        raise ConvertError(f"imatrix {src} has no entry for {missing[0]}" +
+                           (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+                           fix="compute the imatrix on this model (llama-imatrix -m MODEL)")
+    fd, tmp = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        w = GGUFWriter(tmp, "imatrix")
+        w.add_string("general.type", "imatrix")
+        f = r.get_field("imatrix.datasets")
+        w.add_array("imatrix.datasets", [bytes(f.parts[i]).decode() for i in f.data] if f else [src.name])
+        for key in ("imatrix.chunk_count", "imatrix.chunk_size"):
+            if (f := r.get_field(key)) is not None:
+                w.add_uint32(key, int(f.parts[f.data[0]][0]))
+        for t in tensors:
+            w.add_tensor(t.name, np.asarray(t.data, np.float32).reshape(tuple(int(n) for n in reversed(t.shape))))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    return dst

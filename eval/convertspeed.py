@@ -122,7 +122,7 @@ def _rq_convert_row(model: str, kind: str, src: Path, recipe: str, n: int, work:
     """One measured rq-convert run (its own process); the output is deleted once its size is taken."""
     out = work / f"{model}-{recipe}.gguf"
     s = run_measured([sys.executable, "-m", "rotaryquant.converter.cli", str(src), str(out), "--recipe", recipe,
-                      "--no-progress", "--table", "none"], nice=nice)
+                      "--no-calibrate", "--no-progress", "--table", "none"], nice=nice)  # upstream's path has none
     size = out.stat().st_size / 1e6
     out.unlink()
     return Row(model, kind, recipe, "rq-convert", n, s.seconds, s.peak_rss_mb, size, [s])

@@ -153,7 +153,7 @@ def synthetic_moe(workdir: Path, *, recipe: str = "rotaryquant", progress: Calla
     sh = dict(hidden=512, n_layers=4, n_experts=64, n_used=4, moe_ff=768, shared_ff=1024)
     sh.update(shape)
     hf = qwen2moe_toy_folder(workdir / "qwen2moe-hf", tok, **sh)
-    convert(hf, out, Options(recipe=recipe, progress=False))
+    convert(hf, out, Options(recipe=recipe, progress=False, auto_calibrate=False))  # memory, not quality
     return out
 
 

@@ -117,6 +117,8 @@ def convert(f16: Path, v: Variant, dst: Path, calib_text: Path | None, threads: 
         if calib_text is None:
             raise WeightsBenchError(f"{v.label} needs calibration text")
         cmd += ["--calibrate", calib_text]
+    else:
+        cmd += ["--no-calibrate"]   # the plain row is the control (ITQ3_S recipes calibrate by default)
     _run(cmd, f"rq-convert {v.label}")
     return dst
 

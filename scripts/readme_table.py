@@ -200,10 +200,10 @@ def weight_rows() -> list[tuple[str, ...]]:
     w = weights()
     f16, itq, cal, imat, iq3, iq3i = (w[k] for k in ("F16", "ITQ3_S", "ITQ3_S/rq+cal", "ITQ3_S+imat", "IQ3_S",
                                                      "IQ3_S+imat"))
-    speed = (f"decode {ratio(wspeed('tg', 'IQ3_S'))} IQ3_S, {ratio(wspeed('tg', 'Q3_K_S'))} Q3_K_S; "
+    speed = (f"decode {ratio(wspeed('tg', 'IQ3_S'))} IQ3_S, {ratio(wspeed('tg', 'Q4_K_M'))} Q4_K_M; "
              f"prompt {ratio(wspeed('pp', 'IQ3_S'))} IQ3_S")
     return [
-        ("weights `itq3_s`: `rq-convert --recipe itq3 --calibrate`", f"{cal['bpw']:.2f}",
+        ("weights `itq3_s`: `rq-convert --recipe itq3` (calibrated by default)", f"{cal['bpw']:.2f}",
          f"KLD {sig3(cal['kld_mean'])}, ΔPPL {dppl(cal, f16)}; IQ3_S + imatrix at {iq3i['bpw']:.2f} bits: "
          f"{sig3(iq3i['kld_mean'])}, {dppl(iq3i, f16)}", speed,
          holds(abs(cal["kld_mean"] - iq3i["kld_mean"]) < 0.005 and cal["bpw"] < iq3i["bpw"],

@@ -64,6 +64,7 @@ class Converted:
         key = (str(src), recipe, tuple(sorted((k, str(v)) for k, v in opts.items())))
         if key not in self.cache:
             out = self.root / f"{Path(src).name}-{recipe}-{len(self.cache)}.gguf"
+            opts.setdefault("auto_calibrate", False)   # the plain conversions; test_calibration tests the default
             res = convert(src, out, Options(recipe=recipe, progress=False, **opts))
             self.cache[key] = (out, res)
         return self.cache[key]

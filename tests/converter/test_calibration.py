@@ -1,4 +1,5 @@
-"""rq-convert --calibrate: the Gram collector, the one-pass flow, the statistics file and the refusals."""
+"""rq-convert --calibrate: the Gram collector, the one-pass flow, the statistics file, the refusals, and
+calibration by default for recipes that emit ITQ3_S."""
 
 from __future__ import annotations
 
@@ -133,9 +134,12 @@ def test_option_conflicts_exit_2(tmp_path, capsys, smol_gguf):
     out = tmp_path / "o.gguf"
     rc, _, err = _run(capsys, str(smol_gguf), str(out), "--calibrate", "--calibration-data", "x.npz")
     assert rc == 2 and "give one" in err
+    rc, _, err = _run(capsys, str(smol_gguf), str(out), "--no-calibrate", "--calibrate")
+    assert rc == 2 and "give one" in err
+    # recipe rotaryquant emits no ITQ3_S, so nothing is calibrated and there is nothing to save
     rc, _, err = _run(capsys, str(smol_gguf), str(out), "--save-calibration", "x.npz")
-    assert rc == 2 and "needs --calibrate" in err
-    assert not out.exists()
+    assert rc == 1 and "nothing to save" in err and "--calibrate" in err
+    assert not out.exists() and not Path("x.npz").exists()
 
 
 def test_interrupt_during_calibration_removes_every_temp_file(tmp_path, smol2_hf, monkeypatch):
@@ -162,10 +166,10 @@ def test_interrupt_during_calibration_removes_every_temp_file(tmp_path, smol2_hf
 @pytest.fixture(scope="module")
 def calibrated(smol2_hf, tmp_path_factory):
     """SmolLM2 (2 layers, real weights; ffn_down's 1536 columns are the ITQ3_S tensors) converted with
-    --calibrate, its statistics saved."""
+    recipe itq3 and no calibration flag (so calibrated by default, on the packaged text), statistics saved."""
     d = tmp_path_factory.mktemp("cal")
     out, npz = d / "itq3-cal.gguf", d / "stats.npz"
-    rc = cli_main([str(smol2_hf), str(out), "--recipe", "itq3", "--no-promote", "--calibrate",
+    rc = cli_main([str(smol2_hf), str(out), "--recipe", "itq3", "--no-promote",
                    "--calibration-tokens", TOKENS, "--save-calibration", str(npz), "--no-progress", "--table", "none"])
     assert rc == 0
     return out, npz, d
@@ -240,10 +244,15 @@ def test_shared_inputs_share_one_accumulator_and_moe_experts_are_skipped(moe_hf,
     MUL_MAT_ID and get no statistics (noted)."""
     from rotaryquant.converter.convert import Options, convert
 
+    from rotaryquant.converter.calibrate_step import _gram_estimate, itq3_wanted
+
     out, npz = tmp_path / "o.gguf", tmp_path / "s.npz"
-    res = convert(moe_hf, out, Options(recipe="itq3", promote=False, calibrate="", calibration_tokens=256,
+    res = convert(moe_hf, out, Options(recipe="itq3", promote=False, calibration_tokens=256,
                                        save_calibration=npz, progress=False))
+    assert res.calibration_default and any("calibrated by default" in n for n in res.notes)
     s = C.Stats.load(npz)
+    # what --dry-run announces: the weights and the pass's float64 bytes, grouped by shared input as measured
+    assert _gram_estimate(res.planner, itq3_wanted(res.planner)) == (len(s.group_of), 2 * s.nbytes)
     for il in (0, 1):
         q = s.group_of[f"blk.{il}.attn_q.weight"]
         assert s.group_of[f"blk.{il}.attn_k.weight"] == q == s.group_of[f"blk.{il}.attn_v.weight"]
@@ -256,3 +265,17 @@ def test_shared_inputs_share_one_accumulator_and_moe_experts_are_skipped(moe_hf,
     assert any("MoE expert" in n and "MUL_MAT_ID" in n for n in res.notes), res.notes
     assert set(res.calibrated) == set(s.group_of)
     assert _left(tmp_path) == []
+
+
+def test_dry_run_announces_the_default_and_no_calibrate_is_the_plain_conversion(smol2_hf, converted, tmp_path,
+                                                                                capsys):
+    rc, out, _ = _run(capsys, str(smol2_hf), "--recipe", "itq3", "--no-promote", "--dry-run")
+    assert rc == 0 and "would calibrate (the default for recipes that emit ITQ3_S; --no-calibrate skips it)" in out
+    assert "Gram statistics for 2 ITQ3_S weight(s), about 6 MB" in out, out   # 2 x 1536 x 256 x 8 bytes
+    for extra in (["--no-calibrate"], ["--recipe", "rotaryquant"]):
+        rc, out, _ = _run(capsys, str(smol2_hf), "--recipe", "itq3", "--no-promote", "--dry-run", *extra)
+        assert rc == 0 and "calibrate" not in out, out
+    plain, _ = converted.get(smol2_hf, "itq3", promote=False)
+    again = tmp_path / "plain.gguf"
+    rc, out, _ = _run(capsys, str(smol2_hf), str(again), "--recipe", "itq3", "--no-promote", "--no-calibrate")
+    assert rc == 0 and "calibrat" not in out and again.read_bytes() == plain.read_bytes()

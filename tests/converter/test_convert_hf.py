@@ -148,14 +148,14 @@ def test_streaming_keeps_no_tensor_data_in_memory(smol2_hf, tmp_path, monkeypatc
         assert held == [], f"tensor data kept in memory after {name}: {held}"
 
     monkeypatch.setattr(StreamingWriter, "add_tensor", spy)
-    convert(smol2_hf, tmp_path / "s.gguf", Options(recipe="rotaryquant-itq3", progress=False))
+    convert(smol2_hf, tmp_path / "s.gguf", Options(recipe="rotaryquant-itq3", progress=False, auto_calibrate=False))
     assert len(seen) == 20
 
 
 def test_threads_do_not_change_the_output(smol2_hf, tmp_path):
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
-    convert(smol2_hf, a, Options(recipe="rotaryquant-itq3", threads=1, progress=False))
-    convert(smol2_hf, b, Options(recipe="rotaryquant-itq3", threads=2, progress=False))
+    convert(smol2_hf, a, Options(recipe="rotaryquant-itq3", threads=1, progress=False, auto_calibrate=False))
+    convert(smol2_hf, b, Options(recipe="rotaryquant-itq3", threads=2, progress=False, auto_calibrate=False))
     assert a.read_bytes() == b.read_bytes()
 
 
@@ -170,7 +170,7 @@ def test_cli_dry_run_prints_plan_and_writes_nothing(smol2_hf, tmp_path, capsys):
 
 def test_cli_overrides_and_table(smol2_hf, tmp_path, capsys, h):
     out = tmp_path / "o.gguf"
-    rc = cli_main([str(smol2_hf), str(out), "--recipe", "itq3", "--no-progress", "--no-promote",
+    rc = cli_main([str(smol2_hf), str(out), "--recipe", "itq3", "--no-progress", "--no-promote", "--no-calibrate",
                    "--tensor-type", "attn_v=q8_0", "--tensor-type", "BLK\\.1\\.ffn_down=q6_k"])
     assert rc == 0
     text = capsys.readouterr().out
@@ -241,7 +241,7 @@ def test_real_llama_imatrix_file_is_accepted(smol2_hf, converted, tmp_path, h):
                        timeout=300)
     assert p.returncode == 0 and im.exists(), p.stderr[-2000:]
     out = tmp_path / "with-im.gguf"
-    res = convert(smol2_hf, out, Options(recipe="rotaryquant-itq3", imatrix=im, progress=False))
+    res = convert(smol2_hf, out, Options(recipe="rotaryquant-itq3", imatrix=im, progress=False, auto_calibrate=False))
     got = {d.name: d.act_kurtosis for d in res.planner.decisions if d.act_kurtosis is not None}
     assert "blk.0.attn_q.weight" in got and "blk.1.ffn_down.weight" in got
     assert len(h.greedy_tokens(out, n=4)) == 4
@@ -252,7 +252,7 @@ def test_gguf_input_requantises_like_the_hf_path(smol2_hf, converted, tmp_path, 
     f32, _ = converted.get(smol2_hf, "f32")
     direct, _ = converted.get(smol2_hf, "rotaryquant-itq3")
     out = tmp_path / "req.gguf"
-    res = convert(f32, out, Options(recipe="rotaryquant-itq3", progress=False))
+    res = convert(f32, out, Options(recipe="rotaryquant-itq3", progress=False, auto_calibrate=False))
     assert res.kind == "gguf"
     a, b = h.tensors(out), h.tensors(direct)
     assert list(a) == list(b)

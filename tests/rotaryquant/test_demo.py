@@ -57,3 +57,14 @@ def test_kv_part_runs_f16_beside_the_compressed_caches(gemma3, tmp_path):
     assert kv[0] / kv[2] > 4.5
     assert "docs/results/REPORT.md" in proc.stdout
     assert "| The three most important inventions of the nineteenth century were " in proc.stdout
+
+
+def test_weights_verdict_reads_the_iq3s_row():
+    base = demo.Run("f16", " a b c d e f g h", "", 1.0)
+    rq = demo.Run("rq", " a b c x", "", 1.0)
+    # IQ3_S leaves the baseline early too: the rows say ITQ3_S is or is not behind, not how good either is
+    v = demo._verdict([base, rq, demo.Run("itq3", " a x", "", 1.0), demo.Run("iq3", " x", "", 1.0)], 30)
+    assert "leaves the baseline's greedy text early too (after 0 words; ITQ3_S 1, the 4-bit recipe 3)" in v
+    assert "ITQ3_S is not behind" in v
+    v = demo._verdict([base, rq, demo.Run("itq3", " a x", "", 1.0), demo.Run("iq3", " a b c d e x", "", 1.0)], 30)
+    assert "ITQ3_S keeps 1 words of the baseline, IQ3_S + imatrix 5: ITQ3_S is behind it here" in v
