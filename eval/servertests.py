@@ -53,9 +53,8 @@ STORIES = "upstream's expected text is what its stories260K/stories15M models wr
 EXPLAINED: dict[tuple[str, str, str], tuple[str, str]] = {
     ("*", "*", r"match_regex\("): ("model", f"{STORIES}; SmolLM2 writes other words"),
     ("*", "*", r"Server process died"): (
-        "env", "the test forces -fa off or names ../../../models/templates/*.jinja relative to upstream's tests "
-        "folder; see the runner note (-fa off: a quantised V cache needs flash attention, a documented limit; "
-        "the template path: the run's working folder, fixed after this run, not yet re-run)"),
+        "limit", "the test's fixture forces -fa off (test_speculative); a quantised V cache needs flash attention "
+        "(a documented limit, as for upstream's q4_0 V), so llama-server refuses to start with this cache"),
     ("*", "test_chat_completion.py::*", r"^assert \d+ == \d+"): (
         "model", "prompt/completion token counts of stories260K's tokenizer and template (SmolLM2 counts fewer, "
         "or stops at its end-of-turn token)"),
@@ -89,7 +88,11 @@ EXPLAINED: dict[tuple[str, str, str], tuple[str, str]] = {
     ("isoquant3_0-deferred", "test_sleep.py::test_server_sleep_read_only_endpoints", ""): (
         "defect", "ours, fixed in 6f2f508 (the deferred-prefill counters are part of the sleep-time /metrics "
         "snapshot): kv_deferred_peak_bytes read 0 instead of the awake 46080; failing again is a regression"),
-    ("*", "test_speculative.py::*", r"match_regex|^assert \["): (
+    ("isoquant3_0*", "test_tool_call.py::test_completion_without_tool_call_fast*", r"error: 500|'choices'"): (
+        "model", "with this cache SmolLM2 writes a nested JSON object that the Llama-3.3 tool-call parser cannot "
+        "parse within the 128 tokens (log: 'unparsed peg-native output'), which upstream's server answers with "
+        "HTTP 500; the default cache's text happens to parse"),
+    ("*", "test_speculative.py::*", r"match_regex|assert \["): (
         "model", "stories15M's text; with SmolLM2 as its own draft the drafted and plain outputs differ at token 15 "
         "(batched vs single-token matmuls)"),
 }
