@@ -182,14 +182,17 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 def cmd_soak(ns: argparse.Namespace) -> None:
     res = serve.soak(_model(ns, assets.ISO_MODEL), cache=kvtypes.validate(ns.kv), minutes=ns.minutes,
-                     clients=ns.clients, threads=ns.threads)
+                     clients=ns.clients, threads=ns.threads, mixed=ns.mixed, disconnect_every=ns.disconnect_every,
+                     extra=ns.server_arg)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
     ns.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    ns.out.with_suffix(".md").write_text(serve.soak_markdown(res))
     stalled = " (the server stalled)" if res["stalled"] else ""
-    print(f"{res['requests']} requests, {res['malformed']} malformed{stalled}, "
-          f"RSS growth {res['rss_growth_pct']}% (second half vs first half)")
-    if res["malformed"] or res["rss_growth_pct"] > 5:
-        raise RQError("soak failed: malformed responses or RSS growth above 5%")
+    print(f"{res['requests']} requests, {res['dropped']} dropped by their clients, {res['malformed']} malformed"
+          f"{stalled}, RSS growth {res['rss_growth_pct']}% (second half vs first half); afterwards "
+          f"{res['after']['slots_processing']} slots processing, {res['after']['kv_deferred_bytes']:.0f} deferred bytes")
+    if res["malformed"] or res["rss_growth_pct"] > 5 or any(res["after"].values()):
+        raise RQError("soak failed: malformed responses, RSS growth above 5%, or a slot or deferred rows left behind")
 
 
 def cmd_server_tests(ns: argparse.Namespace) -> None:
@@ -375,6 +378,11 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     so.add_argument("--kv", default="isoquant3_0", help="cache type")
     so.add_argument("--minutes", type=float, default=30.0, help="duration")
     so.add_argument("--clients", type=int, default=4, help="concurrent clients")
+    so.add_argument("--mixed", action="store_true", help="prompts of 1-8 sentences and 16-96 new tokens")
+    so.add_argument("--disconnect-every", type=int, default=0, metavar="N",
+                    help="every Nth request of each client is a stream it leaves after a few tokens")
+    so.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                    help="extra llama-server argument, repeatable (e.g. --server-arg=--cache-ram --server-arg=0)")
 
     st = add("server-tests", "upstream llama.cpp's tools/server/tests/unit on local models, per cache setting: "
              "pass/fail/skip per file, every failure explained", cmd_server_tests, out="server-upstream-tests",

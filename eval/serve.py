@@ -305,25 +305,69 @@ def load_test(model: Path, *, cache: str = "isoquant3_0", clients: int = 8, per_
                         "concurrent": r.text} for r in mism[:3]], list(server_args or []), deterministic, rss)
 
 
+def mixed_requests(n_requests: int) -> list[Request]:
+    """Prompts of 1-8 repetitions of the PROMPTS and 16-96 new tokens, over every kind: the soak's mix."""
+    out = []
+    for i in range(n_requests):
+        reps = 1 + (i * 5) % 8
+        prompt = " ".join(PROMPTS[(i + j) % len(PROMPTS)] for j in range(reps))
+        out.append(Request(prompt, KINDS[i % len(KINDS)], (16, 48, 96)[(i // 3) % 3]))
+    return out
+
+
+def stream_and_drop(base: str, prompt: str, events: int, timeout: float = 60) -> None:
+    """A streaming completion whose client reads ``events`` server-sent events and then closes its socket."""
+    import http.client
+
+    host, port = base.split("//")[1].split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        c.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 96, "stream": True}),
+                  {"Content-Type": "application/json"})
+        r = c.getresponse()
+        seen = 0
+        while seen < events:
+            line = r.fp.readline()
+            if not line:
+                break
+            seen += line.startswith(b"data: ")
+    finally:
+        c.close()
+
+
 def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, clients: int = 4, n_predict: int = 48,
-         threads: int = 2, sample_every_s: float = 15, stall_s: float = 120, progress=print) -> dict:
-    """Requests for `minutes`; RSS of the server sampled; every response checked for well-formedness."""
-    reqs = requests_for(64, n_predict)
+         threads: int = 2, sample_every_s: float = 15, stall_s: float = 120, mixed: bool = False,
+         disconnect_every: int = 0, extra: list[str] | None = None, progress=print) -> dict:
+    """Requests for `minutes`; RSS of the server sampled; every response checked for well-formedness. ``mixed``:
+    prompt and answer lengths vary (:func:`mixed_requests`); ``disconnect_every`` N: every Nth request of a client
+    is a stream it leaves after a few tokens (checked afterwards: no slot left processing, no deferred rows
+    held); ``extra``: more llama-server arguments (e.g. ``--cache-ram 0``)."""
+    reqs = mixed_requests(64) if mixed else requests_for(64, n_predict)
     samples: list[tuple[float, int]] = []
     bad: list[str] = []
-    done = 0
+    done = dropped = 0
     stalled = False
-    with server(model, cache=cache, parallel=clients, threads=threads) as srv:
+    with server(model, cache=cache, parallel=clients, threads=threads, extra=extra) as srv:
         base, pid = srv.url, srv.pid
         end = time.time() + 60 * minutes
         lock = threading.Lock()
 
         def client(i: int) -> None:
-            nonlocal done
+            nonlocal done, dropped
             k = i
             while time.time() < end:
-                r = send(base, reqs[k % len(reqs)])
+                req = reqs[k % len(reqs)]
                 k += clients
+                if disconnect_every and (k // clients) % disconnect_every == 0:
+                    try:
+                        stream_and_drop(base, req.prompt, 1 + k % 5)
+                    except OSError as e:
+                        with lock:
+                            bad.append(f"dropped stream: {e}")
+                    with lock:
+                        dropped += 1
+                    continue
+                r = send(base, req)
                 with lock:
                     done += 1
                     if r.status != 200 or r.error or not r.text.strip():
@@ -336,7 +380,8 @@ def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, client
         last_done, last_change = -1, t0
         while any(t.is_alive() for t in ts):
             samples.append((round(time.time() - t0, 1), _rss_kib(pid)))
-            progress(f"[rq-eval soak] {samples[-1][0]:.0f} s: {done} requests, RSS {samples[-1][1] / 1024:.0f} MiB")
+            progress(f"[rq-eval soak] {samples[-1][0]:.0f} s: {done} requests, {dropped} dropped, "
+                     f"RSS {samples[-1][1] / 1024:.0f} MiB")
             if done != last_done:
                 last_done, last_change = done, time.time()
             elif time.time() - last_change > stall_s:
@@ -348,14 +393,49 @@ def soak(model: Path, *, cache: str = "isoquant3_0", minutes: float = 30, client
             time.sleep(sample_every_s)
         for t in ts:
             t.join(timeout=330)
+        after = _settled(base)
     # buffers are touched during the first minute (warm-up); growth is judged on what follows
     warm = [x for x in samples if x[0] >= min(60.0, 6 * minutes)] or samples
     half = len(warm) // 2
     first = sum(s for _, s in warm[:half]) / max(1, half)
     second = sum(s for _, s in warm[half:]) / max(1, len(warm) - half)
-    return {"cache": cache, "minutes": minutes, "requests": done, "malformed": len(bad), "stalled": stalled,
-            "examples": bad[:5],
-            "rss_kib": samples, "rss_growth_pct": round(100 * (second - first) / first, 2) if first else 0.0}
+    return {"cache": cache, "minutes": minutes, "requests": done, "dropped": dropped, "malformed": len(bad),
+            "stalled": stalled, "examples": bad[:5], "mixed": mixed, "server_args": list(extra or []),
+            "after": after, "rss_kib": samples,
+            "rss_growth_pct": round(100 * (second - first) / first, 2) if first else 0.0}
+
+
+def soak_markdown(res: dict) -> str:
+    rss = res["rss_kib"]
+    args = " ".join(res.get("server_args", [])) or "default"
+    return "\n".join([
+        f"# llama-server soak: {res['cache']}, {args}", "",
+        f"{res['minutes']:g} minutes, {'mixed prompt/answer lengths' if res.get('mixed') else 'fixed lengths'}; "
+        f"RSS sampled every 15 s; growth = mean of the second half of the samples after the first minute over the "
+        f"first half.", "",
+        "| requests | dropped by client | malformed | stalled | RSS first / last (MiB) | growth | slots busy after "
+        "| deferred bytes after |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|",
+        f"| {res['requests']} | {res.get('dropped', 0)} | {res['malformed']} | {'yes' if res['stalled'] else 'no'} "
+        f"| {rss[0][1] / 1024:.0f} / {rss[-1][1] / 1024:.0f} | {res['rss_growth_pct']}% "
+        f"| {res.get('after', {}).get('slots_processing', '-')} | {res.get('after', {}).get('kv_deferred_bytes', '-')} |",
+        "",
+    ])
+
+
+def _settled(base: str, timeout: float = 60) -> dict:
+    """Once the clients are gone: slots still processing and deferred rows still held (both should be 0)."""
+    end = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(base + "/slots", timeout=10) as r:
+                busy = [s["id"] for s in json.loads(r.read()) if s.get("is_processing")]
+        except (OSError, ValueError):
+            busy = []
+        if not busy or time.time() > end:
+            m = metrics(base)
+            return {"slots_processing": len(busy), "kv_deferred_bytes": m.get("kv_deferred_bytes", 0.0)}
+        time.sleep(0.5)
 
 
 def _rss_kib(pid: int) -> int:

@@ -44,5 +44,5 @@ struct llama_rq_dfr_inputs {
 // what a context shares with the KV caches it created: their deferred-prefill counters, and the caches themselves
 struct llama_rq_ctx {
     llama_rq_kv_stats                stats = {};
-    std::vector<const llama_kv_rq *> caches;
+    std::vector<llama_kv_rq *>       caches;
 };

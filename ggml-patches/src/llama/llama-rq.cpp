@@ -788,6 +788,26 @@ void llama_kv_rq::release(uint32_t row) {
     }
 }
 
+void llama_kv_rq::release_seq(llama_seq_id seq_id) {
+    if (dfr_used == 0 || seq_id < 0 || seq_id >= (llama_seq_id) kv.seq_to_stream.size()) {
+        return;
+    }
+    const uint32_t kv_size = kv.get_size();
+    const uint32_t strm    = kv.seq_to_stream[seq_id];
+    uint64_t n_rel = 0;
+    for (uint32_t r = 0; r < dfr_budget; ++r) {
+        const int64_t c = dfr_cell_of_row[r];
+        if (c >= 0 && c/kv_size == strm && kv.v_cells[strm].seq_has(c % kv_size, seq_id)) {
+            release(r);
+            n_rel++;
+        }
+    }
+    if (n_rel > 0) {
+        stats.deferred_cells += n_rel;
+        stats.deferred_conversions += 1;
+    }
+}
+
 void llama_kv_rq::drop_stale() {
     if (dfr_used == 0) {
         return;
@@ -842,19 +862,7 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
             if (dfr_prompt[seq_id]) {
                 continue;
             }
-            const uint32_t strm = kv.seq_to_stream[seq_id];
-            uint64_t n_rel = 0;
-            for (uint32_t r = 0; r < dfr_budget; ++r) {
-                const int64_t c = dfr_cell_of_row[r];
-                if (c >= 0 && c/kv_size == strm && kv.v_cells[strm].seq_has(c % kv_size, seq_id)) {
-                    release(r);
-                    n_rel++;
-                }
-            }
-            if (n_rel > 0) {
-                stats.deferred_cells += n_rel;
-                stats.deferred_conversions += 1;
-            }
+            release_seq(seq_id);
         }
         drop_stale();
     }
@@ -1048,6 +1056,14 @@ bool llama_rq_can_reuse(const llama_kv_cache_context * mctx, const llama_rq_dfr_
 
 llama_rq_kv_stats llama_rq_get_kv_stats(const llama_context * ctx) {
     return ctx && ctx->rq ? ctx->rq->stats : llama_rq_kv_stats{};
+}
+
+void llama_rq_kv_release(llama_context * ctx, llama_seq_id seq_id) {
+    if (ctx && ctx->rq) {
+        for (llama_kv_rq * c : ctx->rq->caches) {
+            c->release_seq(seq_id);
+        }
+    }
 }
 
 llama_rq_memory llama_rq_get_memory(const llama_context * ctx) {

@@ -92,6 +92,7 @@ public:
                                                                                    // through the transient
     void drop_stale(); // rows whose cell was emptied or moved
     void drop_all();
+    void release_seq(llama_seq_id seq_id); // seq_id's rows, as its first decode step would (llama_rq_kv_release)
 
     // adds this cache's K/V bytes (allocated, or what would be without no_alloc) and its own buffers' to m
     void memory(llama_rq_memory & m) const;
