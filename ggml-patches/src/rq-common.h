@@ -61,4 +61,4 @@ typedef struct {
 static_assert(sizeof(block_itq3_s) == 2*sizeof(ggml_half) + QK_ITQ/4 + QK_ITQ/8, "wrong itq3_s block size/padding");
 
 // Q8_ITQ (internal): ITQ3_S's vec_dot_type, an activation block after the same FWHT-256, in the
-// block_q8_K layout (float d, int8 qs[256], int16 bsums[16]).
+// block_q8_K layout (float d, int8 qs[256], int16 bsums[16]) with 7-bit codes, |qs| <= 63.

@@ -39,6 +39,9 @@ GGML_API void dequantize_row_itq3_s(const block_itq3_s * GGML_RESTRICT x, float 
 GGML_API size_t quantize_itq3_s(const float * GGML_RESTRICT src, void * GGML_RESTRICT dst, int64_t nrows, int64_t n_per_row, const float * imatrix);
 
 GGML_API void quantize_row_q8_itq_ref(const float * GGML_RESTRICT x, block_q8_K * GGML_RESTRICT y, int64_t k);
+// one rotated 256-block of activations to Q8_ITQ: block_q8_K's layout with 7-bit codes (|q| <= RQ_Q7_MAX)
+#define RQ_Q7_MAX 63
+GGML_API void ggml_rq_quantize_q7_K(const float * GGML_RESTRICT t, block_q8_K * GGML_RESTRICT y);
 
 // the Walsh-Hadamard transform of n = 2^k values in place, then v *= scale (1/sqrt(n): its own inverse);
 // isoquant.c (n = 128, 64) and itq3.c (n = 256). The numpy references and rq_wht_warp (CUDA) keep this order.

@@ -77,9 +77,9 @@ int main() {
             }
             e_fast = sqrt(e_fast/den);
             e_deq  = sqrt(e_deq/den);
-            // 8-bit activations after the FWHT: ~0.4% of the output; F32 twin: rounding only
+            // 7-bit activations after the FWHT (Q8_ITQ): ~1% of the output; F32 twin: rounding only
             if (getenv("RQ_VERBOSE")) printf("k=%d n=%d fused %.3g f32 %.3g\n", k, n, e_fast, e_deq);
-            CHECK(e_fast < 1e-2, "k=%d n=%d: fused ITQ3_S matmul vs dequantised twin rel err %.3g", k, n, e_fast);
+            CHECK(e_fast < 2e-2, "k=%d n=%d: fused ITQ3_S matmul vs dequantised twin rel err %.3g", k, n, e_fast);
             CHECK(e_deq < 1e-5, "k=%d n=%d: F32 matmul of the dequantised weights rel err %.3g", k, n, e_deq);
 
             // the vec_dot twin on the same Q8_ITQ activations: per output one ggml_vec_dot_itq3_s_q8_itq call.
@@ -90,6 +90,20 @@ int main() {
                 const size_t rs = ggml_row_size(GGML_TYPE_Q8_ITQ, k), ws = ggml_row_size(GGML_TYPE_ITQ3_S, k);
                 std::vector<uint8_t> xq(rs*n);
                 for (int r = 0; r < n; ++r) tq->from_float(&x[(size_t) r*k], xq.data() + r*rs, k);
+                // the tiled path's maddubs pairs (weights up to 254) need 7-bit activation codes; bsums match
+                const size_t bsz = ggml_type_size(GGML_TYPE_Q8_ITQ);
+                for (size_t b = 0; b < xq.size()/bsz; ++b) {
+                    const int8_t  * qs = (const int8_t  *) (xq.data() + b*bsz + 4);
+                    const int16_t * bs = (const int16_t *) (xq.data() + b*bsz + 4 + 256);
+                    for (int j = 0; j < 16; ++j) {
+                        int sum = 0;
+                        for (int i = 0; i < 16; ++i) {
+                            CHECK(qs[16*j + i] >= -63 && qs[16*j + i] <= 63, "Q8_ITQ code %d out of 7 bits", qs[16*j + i]);
+                            sum += qs[16*j + i];
+                        }
+                        CHECK(sum == bs[j], "Q8_ITQ bsum %d != %d", bs[j], sum);
+                    }
+                }
                 double e = 0, d = 0;
                 for (int r = 0; r < n; ++r)
                     for (int i = 0; i < m; ++i) {

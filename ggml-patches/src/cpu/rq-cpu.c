@@ -561,18 +561,18 @@ void quantize_row_q8_itq(const float * GGML_RESTRICT x, void * GGML_RESTRICT y, 
     float t[QK_ITQ];
     for (int64_t ib = 0; ib < k / QK_ITQ; ++ib) {
         rq_itq3_rotate(x + ib*QK_ITQ, t);
-        quantize_row_q8_K(t, (block_q8_K *) y + ib, QK_ITQ);
+        ggml_rq_quantize_q7_K(t, (block_q8_K *) y + ib);
     }
 }
 
-// one block's 256 codes as grid[q] + 128, in element order, for ggml-cpu's tiled matmul (rq-tiled.h), which
-// multiplies them against many activation columns, so the unpack is paid once per tile
+// one block's 256 codes as u = grid[q] + 127 in [0, 254], in element order, for ggml-cpu's tiled matmul
+// (rq-tiled.h), which multiplies them against many activation columns, so the unpack is paid once per tile
 void ggml_rq_itq3_codes(const void * GGML_RESTRICT vx, uint8_t * GGML_RESTRICT dst) {
     const block_itq3_s * GGML_RESTRICT x = vx;
 #if defined(__AVX2__)
-    // the vec_dot's chunk layout (codes 32c..32c+31) with a table of grid + 128 (= grid ^ 0x80)
-    const __m256i gtab = _mm256_broadcastsi128_si256(_mm_xor_si128(_mm_loadl_epi64((const __m128i *) itq3_grid),
-                                                                   _mm_set1_epi8((char) 0x80)));
+    // the vec_dot's chunk layout (codes 32c..32c+31) with a table of grid + 127
+    const __m256i gtab = _mm256_broadcastsi128_si256(_mm_add_epi8(_mm_loadl_epi64((const __m128i *) itq3_grid),
+                                                                  _mm_set1_epi8(127)));
     const __m256i m3   = _mm256_set1_epi8(3);
     const __m256i m4   = _mm256_set1_epi8(4);
     const __m256i lo0  = _mm256_loadu_si256((const __m256i *) (x->qs +  0));
@@ -592,7 +592,7 @@ void ggml_rq_itq3_codes(const void * GGML_RESTRICT vx, uint8_t * GGML_RESTRICT d
 #else
     for (int i = 0; i < QK_ITQ; ++i) {
         const int q = ((x->qs[i & 63] >> (2*(i >> 6))) & 3) | (((x->qh[i & 31] >> (i >> 5)) & 1) << 2);
-        dst[i] = (uint8_t) (itq3_grid[q] + 128);
+        dst[i] = (uint8_t) (itq3_grid[q] + 127);
     }
 #endif
 }

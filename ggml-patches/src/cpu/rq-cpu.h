@@ -41,7 +41,7 @@ void quantize_row_q8_itq (const float * GGML_RESTRICT x, void * GGML_RESTRICT y,
 // sum_b dx_b * (d_b * <grid[q_b], qx_b> + m_b * sum(qx_b)): both operands in the rotated domain
 void ggml_vec_dot_itq3_s_q8_itq(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx, size_t bx,
                                 const void * GGML_RESTRICT vy, size_t by, int nrc);
-// one block_itq3_s's codes as grid[q] + 128, element order (the tiled matmul's weight tile, rq-tiled.h)
+// one block_itq3_s's codes as grid[q] + 127 in [0, 254], element order (the tiled matmul's weight tile, rq-tiled.h)
 void ggml_rq_itq3_codes(const void * GGML_RESTRICT x, uint8_t * GGML_RESTRICT dst);
 
 struct ggml_compute_params;

@@ -1,11 +1,11 @@
 // ITQ3_S in ggml-cpu's tiled matmul (tiled/tiled.cpp includes this after tiled-kernel.h). Prompt-sized
-// batches then take the same 16x16 microkernels as IQ3_S and the K-quants. The codes are unpacked once
-// per tile as grid[q] + 128 (BIAS = 128); |grid| reaches 127, so the MAC is iq4_xs's signed-weight one
-// (the activation-bias MAC needs |w| <= 64, and (grid + 127)/2 is not exact: 14 is even). One scale of 1
-// per 32 and the block offset as a min. The activations arrive rotated (the driver converts src1 with the
-// vec_dot_type's from_float, Q8_ITQ), so as in the vec_dot
-//     sum_i (d grid[q_i] + m) y_i = d0 raw - dmin bsum,  d0 = d, dmin = -m,
-// with the same exact integer sums; only the float rounding order differs.
+// batches then take the same 16x16 microkernels as the K-quants, with Q4_K's constants (unsigned codes, a
+// min): the codes are unpacked once per tile as u = grid[q] + 127 in [0, 254], and the activations are
+// Q8_ITQ's 7-bit codes (|q| <= 63, rq-quants.h), so maddubs pairs stay below 2*254*63 < 32767. One scale of
+// 1 per 32; the block offset rides as the min. The activations arrive rotated (the driver converts src1
+// with the vec_dot_type's from_float), so as in the vec_dot
+//     sum_i (d grid[q_i] + m) y_i = d sum_i u_i y_i - (127 d - m) sum_i y_i = d0 raw - dmin bsum,
+// with exact integer sums; only the float rounding order differs from the vec_dot.
 #pragma once
 
 #include "ggml-rq/cpu/rq-cpu.h"
@@ -22,8 +22,9 @@ static void tiled_unpack_src0(const block_itq3_s * rows, int64_t row_stride, int
             const int d_off = slab * TILED_MICRO + r;
             const int s_off = r * nb_stride + slab * NB;
             const block_itq3_s & x = rows[r * row_stride + slab];
-            tile->d[d_off]    =  ggml_fp16_to_fp32(x.d);
-            tile->dmin[d_off] = -ggml_fp16_to_fp32(x.m);
+            const float d = ggml_fp16_to_fp32(x.d);
+            tile->d[d_off]    = d;
+            tile->dmin[d_off] = 127.0f * d - ggml_fp16_to_fp32(x.m);
             for (int s = 0; s < NB; s++) {
                 tile->scales[s_off + s] = 1;
                 tile->mins[s_off + s]   = 1;

@@ -4,7 +4,7 @@
 // weight is read as its 3-bit code and never inverse-transformed: y = sum_blocks d*<grid[q], x_rot> + m*sum(x_rot).
 // One workgroup of WG invocations owns WG rows and all N (<= 8) columns; per 256-block the columns' activations are
 // rotated once in shared memory, then each invocation scores its row. Floats throughout (the CPU's vec_dot rounds
-// the activations to 8 bits first, Q8_ITQ).
+// the activations to 7-bit codes first, Q8_ITQ).
 
 #extension GL_EXT_shader_16bit_storage : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
