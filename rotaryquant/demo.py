@@ -196,8 +196,6 @@ def _weights_run(out: Path, label: str, n_weights: int, prompt: str, n_predict: 
 def _iq3s_run(hf: Path, work: Path, itq3: list[str], prompt: str, n_predict: int, threads: int) -> Run:
     """The ITQ3_S file's plan with its ITQ3_S tensors in IQ3_S, quantised with llama-imatrix's importance
     matrix (the same packaged text, 8 x 512 tokens) restricted to those tensors: only the type differs."""
-    import re
-
     from rotaryquant.bindings import tools
     from rotaryquant.converter.convert import Options, convert
     from rotaryquant.converter.imatrix import subset_imatrix
@@ -214,11 +212,16 @@ def _iq3s_run(hf: Path, work: Path, itq3: list[str], prompt: str, n_predict: int
     out = work / "SmolLM2-135M-iq3_s-imat.gguf"
     t0 = time.time()
     res = convert(hf, out, Options(recipe="rotaryquant-itq3", progress=False, imatrix=sub, auto_calibrate=False,
-                                   tensor_types=[f"^{re.escape(n)}$=iq3_s" for n in itq3]))
+                                   tensor_types=[f"^{_literal(n)}$=iq3_s" for n in itq3]))
     print(f"  rq-convert ... --recipe rotaryquant-itq3 --tensor-type <its {len(itq3)} ITQ3_S tensors>=iq3_s "
           f"--imatrix <those tensors' entries>: {time.time() - t0:.1f} s")
     return _weights_run(out, f"the same file with IQ3_S + imatrix instead of ITQ3_S ({len(itq3)} tensors: "
                         f"{_roles(itq3)})", res.n_weights, prompt, n_predict, threads)
+
+
+def _literal(name: str) -> str:
+    """A tensor name as a --tensor-type regex matching only itself (names are [a-z0-9_.])."""
+    return name.replace(".", "\\.")
 
 
 def _roles(names: list[str]) -> str:
