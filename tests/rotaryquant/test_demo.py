@@ -67,4 +67,4 @@ def test_weights_verdict_reads_the_iq3s_row():
     assert "leaves the baseline's greedy text early too (after 0 words; ITQ3_S 1, the 4-bit recipe 3)" in v
     assert "ITQ3_S is not behind" in v
     v = demo._verdict([base, rq, demo.Run("itq3", " a x", "", 1.0), demo.Run("iq3", " a b c d e x", "", 1.0)], 30)
-    assert "ITQ3_S keeps 1 words of the baseline, IQ3_S + imatrix 5: ITQ3_S is behind it here" in v
+    assert "ITQ3_S keeps 1 word of the baseline, IQ3_S + imatrix 5: ITQ3_S is behind it here" in v
