@@ -237,7 +237,7 @@ def _verdict(runs: list[Run], n_tensors: int) -> str:
     behind = "behind" if n_itq < n_iq3 else "not behind"
     if n_iq3 * 4 <= tot:
         return (f"IQ3_S + imatrix on the same {n_tensors} tensors leaves the baseline's greedy text early too "
-                f"(after {n_iq3} word{"" if n_iq3 == 1 else "s"}; ITQ3_S {n_itq}, the 4-bit recipe {n_rq}): at 135M parameters greedy text "
+                f"(after {n_iq3} word{'' if n_iq3 == 1 else 's'}; ITQ3_S {n_itq}, the 4-bit recipe {n_rq}): at 135M parameters greedy text "
                 f"is fragile under any low-bit weights, so these rows show that ITQ3_S is {behind} IQ3_S + imatrix "
                 f"on the same tensors, not how good either is. Whole-model numbers (Qwen2.5-Coder-1.5B): the README "
                 f"table and {REPORT}.")
