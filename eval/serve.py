@@ -315,22 +315,36 @@ def mixed_requests(n_requests: int) -> list[Request]:
     return out
 
 
-def stream_and_drop(base: str, prompt: str, events: int, timeout: float = 60) -> None:
-    """A streaming completion whose client reads ``events`` server-sent events and then closes its socket."""
+def busy_slots(base: str) -> list[int]:
+    """The ids of the slots processing a task now (/slots)."""
+    with urllib.request.urlopen(base + "/slots", timeout=10) as r:
+        return [s["id"] for s in json.loads(r.read()) if s.get("is_processing")]
+
+
+def stream_and_drop(base: str, prompt: str, events: int, *, n_predict: int = 96, in_prompt: bool = False,
+                    timeout: float = 60) -> None:
+    """A streaming completion whose client reads ``events`` server-sent events and then closes its socket; with
+    ``in_prompt``, it leaves while the server processes the prompt (meant for the only request in flight)."""
     import http.client
 
     host, port = base.split("//")[1].split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:
-        c.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 96, "stream": True}),
+        c.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": n_predict, "stream": True}),
                   {"Content-Type": "application/json"})
-        r = c.getresponse()
-        seen = 0
-        while seen < events:
-            line = r.fp.readline()
-            if not line:
-                break
-            seen += line.startswith(b"data: ")
+        if in_prompt:
+            end = time.time() + 30
+            while not busy_slots(base) and time.time() < end:
+                time.sleep(0.02)
+            time.sleep(0.3)   # a few of its batches in
+        if events:
+            r = c.getresponse()
+            seen = 0
+            while seen < events:
+                line = r.fp.readline()
+                if not line:
+                    break
+                seen += line.startswith(b"data: ")
     finally:
         c.close()
 
@@ -428,8 +442,7 @@ def _settled(base: str, timeout: float = 60) -> dict:
     end = time.time() + timeout
     while True:
         try:
-            with urllib.request.urlopen(base + "/slots", timeout=10) as r:
-                busy = [s["id"] for s in json.loads(r.read()) if s.get("is_processing")]
+            busy = busy_slots(base)
         except (OSError, ValueError):
             busy = []
         if not busy or time.time() > end:

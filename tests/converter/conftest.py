@@ -160,6 +160,24 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith(".") and p.suffix in (".tmp", ".data"))
 
 
+def write_imatrix(path: Path, entries: dict, chunk_count: int = 4) -> None:
+    """An imatrix GGUF as llama-imatrix writes it: {name: (sums (n_mat, cols), counts (n_mat,))}."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, "imatrix")
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", ["synthetic"])
+    w.add_uint32("imatrix.chunk_count", chunk_count)
+    w.add_uint32("imatrix.chunk_size", 512)
+    for name, (sums, counts) in entries.items():
+        w.add_tensor(f"{name}.in_sum2", sums.astype(np.float32))
+        w.add_tensor(f"{name}.counts", counts.astype(np.float32).reshape(-1, 1))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 class Helpers:
     """The helpers above, as a fixture (test modules cannot import conftest under --import-mode=importlib)."""
 
@@ -171,6 +189,7 @@ class Helpers:
     copy_folder = staticmethod(copy_folder)
     leftovers = staticmethod(leftovers)
     have_torch = staticmethod(have_torch)
+    write_imatrix = staticmethod(write_imatrix)
 
 
 @pytest.fixture(scope="session")

@@ -192,29 +192,12 @@ def test_kurtosis_promotion_on_real_weights(smol2_hf, converted, h):
     assert sorted(h.fields(out)[OURS + "promoted"]) == sorted(d.name for d in promoted)
 
 
-def _write_imatrix(path, entries):
-    import gguf
-
-    w = gguf.GGUFWriter(path, "imatrix")
-    w.add_string("general.type", "imatrix")
-    w.add_array("imatrix.datasets", ["synthetic"])
-    w.add_uint32("imatrix.chunk_count", 4)
-    w.add_uint32("imatrix.chunk_size", 512)
-    for name, (sums, counts) in entries.items():
-        w.add_tensor(f"{name}.in_sum2", sums.astype(np.float32))
-        w.add_tensor(f"{name}.counts", counts.astype(np.float32).reshape(-1, 1))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_imatrix_weights_quantisers_and_drives_activation_kurtosis(smol2_hf, tmp_path, h):
     rng = np.random.default_rng(5)
     down = (rng.random((1, 1536)) + 0.5) * 2048
     outlier = np.ones((1, 1536)) * 2048
     outlier[0, 7] *= 5000
-    _write_imatrix(tmp_path / "im.gguf", {"blk.1.ffn_down.weight": (down, np.array([2048])),
+    h.write_imatrix(tmp_path / "im.gguf", {"blk.1.ffn_down.weight": (down, np.array([2048])),
                                           "blk.0.ffn_down.weight": (outlier, np.array([2048]))})
     out = tmp_path / "im-out.gguf"
     res = convert(smol2_hf, out, Options(recipe="rotaryquant", imatrix=tmp_path / "im.gguf", progress=False))

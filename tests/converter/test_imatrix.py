@@ -9,30 +9,13 @@ from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.imatrix import load_imatrix, subset_imatrix
 
 
-def _write(path, entries):
-    import gguf
-
-    w = gguf.GGUFWriter(path, "imatrix")
-    w.add_string("general.type", "imatrix")
-    w.add_array("imatrix.datasets", ["calib.txt"])
-    w.add_uint32("imatrix.chunk_count", 8)
-    w.add_uint32("imatrix.chunk_size", 512)
-    for name, (sums, counts) in entries.items():
-        w.add_tensor(f"{name}.in_sum2", sums.astype(np.float32))
-        w.add_tensor(f"{name}.counts", counts.astype(np.float32).reshape(-1, 1))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-def test_subset_keeps_exactly_the_named_entries(tmp_path):
+def test_subset_keeps_exactly_the_named_entries(tmp_path, h):
     import gguf
 
     rng = np.random.default_rng(1)
     entries = {f"blk.{i}.{r}.weight": (rng.random((n, 512)) * 100, np.full(n, 40.0 + i))
                for i in range(2) for r, n in (("ffn_down", 1), ("attn_q", 1), ("ffn_up_exps", 4))}
-    _write(tmp_path / "full.gguf", entries)
+    h.write_imatrix(tmp_path / "full.gguf", entries, chunk_count=8)
     keep = ["blk.0.ffn_down.weight", "blk.1.ffn_up_exps.weight"]
     out = subset_imatrix(tmp_path / "full.gguf", tmp_path / "sub.gguf", keep)
     full, sub = load_imatrix(tmp_path / "full.gguf"), load_imatrix(out)
@@ -44,8 +27,8 @@ def test_subset_keeps_exactly_the_named_entries(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-def test_subset_refuses_a_name_the_imatrix_lacks(tmp_path):
-    _write(tmp_path / "full.gguf", {"blk.0.ffn_down.weight": (np.ones((1, 256)), np.array([4.0]))})
+def test_subset_refuses_a_name_the_imatrix_lacks(tmp_path, h):
+    h.write_imatrix(tmp_path / "full.gguf", {"blk.0.ffn_down.weight": (np.ones((1, 256)), np.array([4.0]))})
     with pytest.raises(ConvertError, match="no entry for blk.1.ffn_down.weight") as e:
         subset_imatrix(tmp_path / "full.gguf", tmp_path / "sub.gguf", ["blk.1.ffn_down.weight"])
     assert "llama-imatrix" in e.value.fix

@@ -4,7 +4,6 @@ Each checks what the others kept: their answers, the slot's state, the transient
 
 from __future__ import annotations
 
-import http.client
 import json
 import threading
 import time
@@ -32,39 +31,11 @@ def _post(base: str, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
-def _busy(base: str) -> list[int]:
-    with urllib.request.urlopen(base + "/slots", timeout=10) as r:
-        return [s["id"] for s in json.loads(r.read()) if s.get("is_processing")]
-
-
-def _stream_and_drop(base: str, prompt: str, events: int, in_prompt: bool = False) -> None:
-    """A streaming completion whose client reads `events` server-sent events and then goes away; with
-    ``in_prompt``, it leaves while the server is processing the prompt (the only request in flight)."""
-    host, port = base.split("//")[1].split(":")
-    c = http.client.HTTPConnection(host, int(port), timeout=60)
-    c.request("POST", "/completion", json.dumps({"prompt": prompt, "n_predict": 64, "stream": True}),
-              {"Content-Type": "application/json"})
-    if in_prompt:
-        end = time.time() + 30
-        while not _busy(base) and time.time() < end:
-            time.sleep(0.02)
-        time.sleep(0.3)   # a few of its 64-token batches in (the whole prompt takes seconds)
-    if events:
-        r = c.getresponse()
-        seen = 0
-        while seen < events:
-            line = r.fp.readline()
-            if not line:
-                break
-            seen += line.startswith(b"data: ")
-    c.sock.close()
-
-
 def _idle(base: str, timeout: float = 60) -> dict[str, float]:
     """Wait until no slot is processing; then the deferred-prefill gauges."""
     end = time.time() + timeout
     while True:
-        busy = _busy(base)
+        busy = serve.busy_slots(base)
         if not busy:
             return {k: v for k, v in serve.metrics(base).items() if k.startswith("kv_deferred")}
         assert time.time() < end, f"slots {busy} still processing {timeout:.0f} s after their clients left"
@@ -86,8 +57,8 @@ def test_half_of_eight_streaming_clients_disconnect(gemma3):
             got[i] = serve.send(srv.url, keep[i])
 
         ts = [threading.Thread(target=keeper, args=(i,)) for i in range(4)]
-        ts += [threading.Thread(target=_stream_and_drop, args=(srv.url, f"{LONG} {i}", events))
-               for i, events in enumerate((3, 3, 0, 0))]
+        ts += [threading.Thread(target=serve.stream_and_drop, args=(srv.url, f"{LONG} {i}", events),
+                                kwargs={"n_predict": 64}) for i, events in enumerate((3, 3, 0, 0))]
         for t in ts:
             t.start()
         for t in ts:
@@ -105,7 +76,7 @@ def test_prompt_cancelled_during_deferred_prefill_gives_its_rows_back(gemma3):
                       extra=["--kv-deferred", "-b", "64", "-ub", "64"]) as srv:
         short = {"prompt": "Hello, my name is", "n_predict": 8, "temperature": 0, "cache_prompt": False}
         before = _post(srv.url, "/completion", short)[1]["content"]
-        _stream_and_drop(srv.url, LONG, 0, in_prompt=True)
+        serve.stream_and_drop(srv.url, LONG, 0, n_predict=64, in_prompt=True)
         m = _idle(srv.url)
         assert m["kv_deferred_peak_bytes"] > 0 and m["kv_deferred_bytes"] == 0, m
         assert _post(srv.url, "/completion", short)[1]["content"] == before
