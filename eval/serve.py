@@ -84,6 +84,7 @@ def free_port() -> int:
 class Server:
     url: str
     pid: int
+    log: Path | None = None
 
 
 @contextmanager
@@ -142,8 +143,8 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
         cmd.append("--no-k-center")
     if kvtypes.layer_types(cache):
         cmd += ["--kv-layer-types", kvtypes.layer_types(cache)]
-    with launch(cmd, env=env, start_timeout=start_timeout) as (base, pid, _log):
-        yield Server(base, pid)
+    with launch(cmd, env=env, start_timeout=start_timeout) as (base, pid, log):
+        yield Server(base, pid, log)
 
 
 def _post(url: str, body: dict, timeout: float) -> urllib.request.Request:

@@ -5,6 +5,8 @@ Each checks what the others kept: their answers, the slot's state, the transient
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
 import threading
 import time
 import urllib.error
@@ -12,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from rotaryquant.bindings import tools
 from rotaryquant.eval import serve
 
 pytestmark = pytest.mark.slow
@@ -108,13 +111,80 @@ def test_failed_slot_restores_keep_the_slot(gemma3, tmp_path):
         data = (tmp_path / "iso.bin").read_bytes()
         (tmp_path / "trunc.bin").write_bytes(data[:len(data) // 2])
         (tmp_path / "magic.bin").write_bytes(b"XXXX" + data[4:])
+        # the payload only: header and length intact, so without the checksum this restored silently
+        assert data[-4:] == b"rqsm", "slot files end with their checksum"
+        mid = len(data) // 2
+        (tmp_path / "corrupt.bin").write_bytes(data[:mid] + bytes(b ^ 0x5A for b in data[mid:mid + 64]) + data[mid + 64:])
         for name, why in (("missing.bin", "no slot file 'missing.bin'"), ("trunc.bin", "is not a slot file"),
-                          ("magic.bin", "is not a slot file"), ("f16.bin", "is not a slot file")):
+                          ("magic.bin", "is not a slot file"), ("f16.bin", "is not a slot file"),
+                          ("corrupt.bin", "corrupted")):
             st, r = _post(srv.url, "/slots/0?action=restore", {"filename": name})
             assert st == 400 and why in r["error"]["message"] and "keeps its state" in r["error"]["message"], r
             again = _post(srv.url, "/completion", STORY)[1]
             assert again["content"] == warm["content"], name
             assert again["timings"]["cache_n"] == warm["timings"]["cache_n"], (name, again["timings"])
-        # and a good file still restores
-        st, r = _post(srv.url, "/slots/0?action=restore", {"filename": "iso.bin"})
-        assert st == 200 and r["n_restored"] == saved["n_saved"]
+        assert "iso/corrupt.bin is corrupted" in srv.log.read_text().replace(str(tmp_path), "iso")
+        # and a good file still restores, as does one without the checksum (another build's)
+        (tmp_path / "unsealed.bin").write_bytes(data[:-12])
+        for name in ("iso.bin", "unsealed.bin"):
+            st, r = _post(srv.url, "/slots/0?action=restore", {"filename": name})
+            assert st == 200 and r["n_restored"] == saved["n_saved"], (name, r)
+            assert _post(srv.url, "/completion", STORY)[1]["content"] == warm["content"], name
+
+
+def test_rpc_worker_killed_mid_generation(gemma3):
+    """All layers on a loopback ggml-rpc-server that is killed while a client streams: that client gets an error
+    event, llama-server stays up (health, tokenize), later completions get the same clear error at once, and the
+    log names the lost worker. (What the worker held is gone: only a restart with a worker serves again.)"""
+    port = serve.free_port()
+    worker = subprocess.Popen([str(tools.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_listening(port, worker)
+        with serve.server(gemma3, cache="isoquant3_0", parallel=2, ctx_per_slot=512,
+                          extra=["--rpc", f"127.0.0.1:{port}", "-ngl", "99"]) as srv:
+            st, ok = _post(srv.url, "/completion", {"prompt": "Hello, my name is", "n_predict": 4})
+            assert st == 200 and ok["content"], ok
+            events = _stream_then(srv.url, {"prompt": STORY["prompt"], "n_predict": 400, "stream": True},
+                                  after=4, action=worker.kill)
+            assert json.loads(events[-1])["error"]["message"].startswith("Compute error"), events[-3:]
+            assert len(events) < 400, "the stream ran to its end after the worker was killed"
+            assert _get(srv.url, "/health")[0] == 200
+            assert _post(srv.url, "/tokenize", {"content": "still here"})[1]["tokens"]
+            st, r = _post(srv.url, "/completion", {"prompt": "Hello", "n_predict": 4})
+            assert st == 500 and "backend failed" in r["error"]["message"], r
+            assert f"RPC worker 127.0.0.1:{port} lost" in srv.log.read_text()
+            assert serve.busy_slots(srv.url) == []
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
+    end = time.time() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None and time.time() < end, "ggml-rpc-server did not listen"
+        time.sleep(0.2)
+
+
+def _get(base: str, path: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(base + path, timeout=30) as r:
+        return r.status, r.read()
+
+
+def _stream_then(base: str, body: dict, *, after: int, action) -> list[str]:
+    """The data lines of a streamed completion; ``action`` runs once ``after`` of them have arrived."""
+    req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    events: list[str] = []
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if len(events) == after:
+                    action()
+    return events

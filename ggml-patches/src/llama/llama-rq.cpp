@@ -11,7 +11,9 @@
 #include "gguf.h"
 
 #include <algorithm>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -1084,4 +1086,66 @@ llama_rq_memory llama_rq_get_memory(const llama_context * ctx) {
 const char * llama_rq_model_tensor_buft(const llama_model * model, const char * name) {
     const ggml_tensor * t = model->get_tensor(name);
     return t && t->buffer ? ggml_backend_buft_name(ggml_backend_buffer_get_type(t->buffer)) : nullptr;
+}
+
+// trailer: u64 FNV-1a of every byte before it, then this magic ("rqsm")
+static constexpr uint32_t LLAMA_RQ_SUM_MAGIC = 0x6d737172u;
+
+static bool rq_file_sum(FILE * f, long n, uint64_t & h) {
+    uint8_t buf[1 << 16];
+    h = 0xcbf29ce484222325ull;
+    for (long done = 0; done < n; ) {
+        const size_t k = fread(buf, 1, (size_t) std::min<long>(n - done, sizeof(buf)), f);
+        if (k == 0) {
+            return false;
+        }
+        for (size_t i = 0; i < k; ++i) {
+            h = (h ^ buf[i]) * 0x100000001b3ull;
+        }
+        done += (long) k;
+    }
+    return true;
+}
+
+void llama_rq_state_file_seal(const char * path) {
+    FILE * f = ggml_fopen(path, "r+b");
+    uint64_t h;
+    if (f == nullptr || fseek(f, 0, SEEK_END) != 0) {
+        LLAMA_LOG_WARN("%s: %s: cannot reopen to add its checksum\n", __func__, path);
+    } else {
+        const long n = ftell(f);
+        rewind(f);
+        if (!rq_file_sum(f, n, h) || fseek(f, 0, SEEK_END) != 0 || fwrite(&h, sizeof(h), 1, f) != 1 ||
+            fwrite(&LLAMA_RQ_SUM_MAGIC, sizeof(uint32_t), 1, f) != 1) {
+            LLAMA_LOG_WARN("%s: %s: checksum not written\n", __func__, path);
+        }
+    }
+    if (f) {
+        fclose(f);
+    }
+}
+
+bool llama_rq_state_file_check(const char * path) {
+    FILE * f = ggml_fopen(path, "rb");
+    if (f == nullptr) {
+        return true; // the loader reports a missing file
+    }
+    bool ok = true;
+    uint64_t stored = 0, h = 0;
+    uint32_t magic = 0;
+    const long tail = (long) (sizeof(stored) + sizeof(magic));
+    if (fseek(f, 0, SEEK_END) == 0 && ftell(f) >= tail) {
+        const long n = ftell(f) - tail;
+        if (fseek(f, n, SEEK_SET) == 0 && fread(&stored, sizeof(stored), 1, f) == 1 &&
+            fread(&magic, sizeof(magic), 1, f) == 1 && magic == LLAMA_RQ_SUM_MAGIC) {
+            rewind(f);
+            ok = rq_file_sum(f, n, h) && h == stored;
+            if (!ok) {
+                LLAMA_LOG_ERROR("%s: %s is corrupted: its checksum is %016" PRIx64 ", its bytes sum to %016" PRIx64
+                                "; nothing was loaded\n", __func__, path, stored, h);
+            }
+        }
+    }
+    fclose(f);
+    return ok;
 }

@@ -34,6 +34,12 @@ struct llama_rq_k_center {
 // with the fix on a spec that does not parse or a type the layer's head size cannot take)
 std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hparams, uint32_t il, ggml_type type_k, ggml_type type_v);
 
+// sequence state files (llama_state_seq_save_file; llama-server's slots) end with a checksum of what precedes it,
+// which a loader that does not know it ignores: seal after writing; check before anything is read into the cache
+// (false, logged, when the sum does not match; a file without one passes, as files from other builds must)
+void llama_rq_state_file_seal(const char * path);
+bool llama_rq_state_file_check(const char * path);
+
 // the context's kv_layer_types: "model" is the allocation rq-calibrate --kv-bits stored in the model
 // (rotaryquant.kv_alloc.layer_types; throws with the fix when there is none), anything else is taken as given
 std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec);
