@@ -30,8 +30,10 @@ def main() -> None:
     ap.add_argument("--layers", default="11,15", help="layers (default 11,15: Gemma3's full layer 11, window layer 15)")
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--queries", type=int, default=32, help="last positions of each context scored")
-    ap.add_argument("--window", type=int, default=0, help="sliding window of the chosen layers (0: read the model: "
-                                                          "Gemma3 layers other than every 6th attend 512)")
+    ap.add_argument("--window", type=int, default=None, help="sliding window of the chosen layers, 0 for none "
+                                                             "(default: Gemma3's, every layer but each 6th attends 512)")
+    ap.add_argument("--rope-base", type=float, default=1e6, help="RoPE base of full-attention layers (Gemma3: 1e6)")
+    ap.add_argument("--rope-base-window", type=float, default=1e4, help="RoPE base of window layers (Gemma3: 1e4)")
     ap.add_argument("--scale", type=float, default=1.0, help="attention scale the graph applies after Q "
                                                              "(Gemma3 scales Q itself: 1.0)")
     a = ap.parse_args()
@@ -81,12 +83,25 @@ def main() -> None:
         mu2 = kc[:2048].mean(0)
         lam = np.clip(np.sqrt(np.maximum(np.abs(kc[:2048] - mu2).max(0), 1e-6)
                               / np.maximum(np.abs(qc[:2048]).max((0, 1)), 1e-6)), 2.0**-8, 2.0**8)
+        window = a.window if a.window is not None else (512 if (il + 1) % 6 else 0)
+        rbase = a.rope_base_window if window else a.rope_base
+        # RoPE-aware centring: the pre-RoPE mean m (calibration positions 0..2047 rotated back), rotated to each
+        # key's own position; "top r" does so on the r pairs where m is largest and keeps mu0-2k on the others
+        m = rope(kc[:2048], np.arange(2048), rbase, -1).mean(0)
+        pair = m[: dk // 2] ** 2 + m[dk // 2:] ** 2
+        mup = {"rope": rope(np.broadcast_to(m, (n, dk)), np.arange(n), rbase, 1)}
+        for r in (4, 8, 16):
+            top = np.argsort(pair)[::-1][:r]
+            sel = np.zeros(dk, bool)
+            sel[top] = sel[top + dk // 2] = True
+            mup[f"rope top{r}"] = np.where(sel, mup["rope"], mu2)
         K, Q, mu2, mu8 = K0 / lam, Q0 * lam, mu2 / lam, kc[:8192].mean(0) / lam
-        window = a.window or (512 if (il + 1) % 6 else 0)
+        mup = {k: v / lam for k, v in mup.items()}
         for ctx in ctxs:
             own = K[max(0, ctx - 2048):ctx].mean(0)
             Kq = {"mu0-2k": qd(K[:ctx] - mu2) + mu2, "mu0-8k": qd(K[:ctx] - mu8) + mu8, "none": qd(K[:ctx]),
                   "own": qd(K[:ctx] - own) + own}
+            Kq.update({k: qd(K[:ctx] - v[:ctx]) + v[:ctx] for k, v in mup.items()})
             Vq = qd(V[:ctx])
             err: dict[str, list[float]] = {}
             for t in range(ctx - a.queries, ctx):
@@ -123,7 +138,17 @@ def main() -> None:
                   f"| {e['own'] / e['none']:.2f} |")
 
 
-VARIANTS = ("mu0-2k", "mu0-8k", "none", "own", "mu0-2k, 4 sinks f16", "mu0-2k, last 128 f16")
+def rope(x: np.ndarray, pos: np.ndarray, base: float, sign: int) -> np.ndarray:
+    """NEOX-style RoPE (pairs i, i + d/2; Gemma3, Qwen2) of rows x at positions pos; sign -1 rotates back."""
+    d = x.shape[1] // 2
+    ang = sign * pos[:, None] * base ** (-np.arange(d) / d)
+    c, s = np.cos(ang), np.sin(ang)
+    a, b = x[:, :d], x[:, d:]
+    return np.concatenate([a * c - b * s, a * s + b * c], 1)
+
+
+VARIANTS = ("mu0-2k", "mu0-8k", "none", "own", "rope", "rope top4", "rope top8", "rope top16",
+            "mu0-2k, 4 sinks f16", "mu0-2k, last 128 f16")
 
 if __name__ == "__main__":
     main()
