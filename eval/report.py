@@ -226,6 +226,15 @@ def build(results: Path) -> Path:
         from rotaryquant.eval import kvbench
 
         body += [kvbench.to_markdown(json.loads(f.read_text())).replace("# KV-cache benchmark", "## KV-cache speed"), ""]
+    for f in sorted(results.glob("roofline*.json")):  # rq-eval roofline: decode t/s against the bandwidth limit
+        from rotaryquant.eval import roofline
+
+        body += [roofline.to_markdown(json.loads(f.read_text())), ""]
+        if f.with_suffix(".png").exists():
+            body += [f"![decode t/s vs depth with the predicted limit]({f.stem}.png)", ""]
+    fa = results / "fa-decode-kernel.md"  # test-backend-ops perf of one attention op (curated, no JSON)
+    if fa.exists():
+        body += [fa.read_text().strip().replace("# ", "## ", 1), ""]
     kvq_files = sorted(results.glob("kv-quality*.json"))
     for f in kvq_files:
         body += _kv_quality_section(json.loads(f.read_text()), results, measured, png=f"{f.stem}-kld-vs-ctx.png")
