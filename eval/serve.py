@@ -131,6 +131,33 @@ def launch(cmd: list[str], *, env: dict[str, str] | None = None, start_timeout: 
 
 
 @contextmanager
+def rpc_worker(threads: int = 2, start_timeout: float = 30) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A ggml-rpc-server on a free loopback port (a CPU backend llama sees as a GPU-type device): yield its
+    endpoint and process (tests kill it); stopped afterwards."""
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")  # a file, not a pipe: an unread pipe would block a chatty worker
+    proc = subprocess.Popen([str(tools.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t",
+                             str(threads)], stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        deadline = time.time() + start_timeout
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None:
+                log.seek(0)
+                raise ServeError(f"ggml-rpc-server exited with {proc.returncode}: {log.read()[-1500:]}")
+            if time.time() > deadline:
+                raise ServeError(f"ggml-rpc-server did not listen within {start_timeout:.0f} s")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait()
+        log.close()
+
+
+@contextmanager
 def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_per_slot: int = 512, threads: int = 2,
            extra: list[str] | None = None, env: dict[str, str] | None = None,
            start_timeout: float = 180) -> Iterator[Server]:

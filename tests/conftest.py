@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import socket
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -109,19 +107,7 @@ def smollm2_f16(bin_dir, smollm2, tmp_path_factory) -> Path:
 @pytest.fixture()
 def rpc_server(bin_dir):
     """A ggml-rpc-server on a free loopback port (a CPU backend that llama sees as a GPU-type device)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 30
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                break
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.time() < deadline, "ggml-rpc-server did not listen"
-        time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=30)
+    from rotaryquant.eval import serve
+
+    with serve.rpc_worker() as (endpoint, _):
+        yield endpoint

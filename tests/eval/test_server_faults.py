@@ -5,8 +5,6 @@ Each checks what the others kept: their answers, the slot's state, the transient
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
 import threading
 import time
 import urllib.error
@@ -14,7 +12,6 @@ import urllib.request
 
 import pytest
 
-from rotaryquant.bindings import tools
 from rotaryquant.eval import serve
 
 pytestmark = pytest.mark.slow
@@ -136,13 +133,9 @@ def test_rpc_worker_killed_mid_generation(gemma3):
     """All layers on a loopback ggml-rpc-server that is killed while a client streams: that client gets an error
     event, llama-server stays up (health, tokenize), later completions get the same clear error at once, and the
     log names the lost worker. (What the worker held is gone: only a restart with a worker serves again.)"""
-    port = serve.free_port()
-    worker = subprocess.Popen([str(tools.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        _wait_listening(port, worker)
+    with serve.rpc_worker(threads=1) as (endpoint, worker):
         with serve.server(gemma3, cache="isoquant3_0", parallel=2, ctx_per_slot=512,
-                          extra=["--rpc", f"127.0.0.1:{port}", "-ngl", "99"]) as srv:
+                          extra=["--rpc", endpoint, "-ngl", "99"]) as srv:
             st, ok = _post(srv.url, "/completion", {"prompt": "Hello, my name is", "n_predict": 4})
             assert st == 200 and ok["content"], ok
             events = _stream_then(srv.url, {"prompt": STORY["prompt"], "n_predict": 400, "stream": True},
@@ -153,21 +146,8 @@ def test_rpc_worker_killed_mid_generation(gemma3):
             assert _post(srv.url, "/tokenize", {"content": "still here"})[1]["tokens"]
             st, r = _post(srv.url, "/completion", {"prompt": "Hello", "n_predict": 4})
             assert st == 500 and "backend failed" in r["error"]["message"], r
-            assert f"RPC worker 127.0.0.1:{port} lost" in srv.log.read_text()
+            assert f"RPC worker {endpoint} lost" in srv.log.read_text()
             assert serve.busy_slots(srv.url) == []
-    finally:
-        worker.kill()
-        worker.wait()
-
-
-def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30) -> None:
-    end = time.time() + timeout
-    while True:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        assert proc.poll() is None and time.time() < end, "ggml-rpc-server did not listen"
-        time.sleep(0.2)
 
 
 def _get(base: str, path: str) -> tuple[int, bytes]:
