@@ -347,6 +347,74 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 }
 
 #define RQ_FA_TILE 8   // query rows of one K/V head processed together
+#define RQ_FA_KB   16  // keys per online-softmax update
+
+// the T rows' scores against one unpacked key (iso_dot_unpacked per row; on AVX2 the rows' horizontal sums are
+// reduced together)
+static void iso_dot_rows(int T, int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d,
+                         const float * GGML_RESTRICT q, int64_t q_stride, int qk, float * GGML_RESTRICT out) {
+#if defined(__AVX2__)
+    __m256 acc[RQ_FA_TILE];
+    for (int t = 0; t < RQ_FA_TILE; ++t) {
+        acc[t] = _mm256_setzero_ps();
+    }
+    for (int ib = 0; ib < n / qk; ++ib) {
+        const __m256  db = _mm256_set1_ps(d[ib]);
+        const float * cq = c + ib*qk;
+        for (int t = 0; t < T; ++t) {
+            const float * qq = q + t*q_stride + ib*qk;
+            __m256 a0 = _mm256_setzero_ps();
+            __m256 a1 = _mm256_setzero_ps();
+            for (int g = 0; g < qk/8; g += 2) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 0), _mm256_loadu_ps(qq + 8*g + 0), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 8), _mm256_loadu_ps(qq + 8*g + 8), a1);
+            }
+            acc[t] = _mm256_fmadd_ps(db, _mm256_add_ps(a0, a1), acc[t]);
+        }
+    }
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
+#else
+    for (int t = 0; t < T; ++t) {
+        out[t] = iso_dot_unpacked(n, c, d, q + t*q_stride, qk);
+    }
+#endif
+}
+
+// vkq[t] += sum_u w[t][u] * ||v_u||_b * c_u over a block's nu unpacked values, for each of the T rows; on AVX2 each
+// 8-wide slice of a row's accumulator is loaded and stored once per block, not once per value
+static void iso_mad_rows(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_t vkq_stride,
+                         const float * GGML_RESTRICT c, const float * GGML_RESTRICT d,
+                         const float (*w)[RQ_FA_KB], int qk) {
+#if defined(__AVX2__)
+    for (int t = 0; t < T; ++t) {
+        float * a = vkq + t*vkq_stride;
+        for (int ib = 0; ib < n / qk; ++ib) {
+            __m256 wd[RQ_FA_KB];
+            for (int u = 0; u < nu; ++u) {
+                wd[u] = _mm256_set1_ps(w[t][u]*d[u*(n/qk) + ib]);
+            }
+            for (int g = 0; g < qk/8; ++g) {
+                const int64_t off = ib*qk + 8*g;
+                __m256 s = _mm256_loadu_ps(a + off);
+                for (int u = 0; u < nu; ++u) {
+                    s = _mm256_fmadd_ps(wd[u], _mm256_loadu_ps(c + u*n + off), s);
+                }
+                _mm256_storeu_ps(a + off, s);
+            }
+        }
+    }
+#else
+    for (int t = 0; t < T; ++t) {
+        for (int u = 0; u < nu; ++u) {
+            if (w[t][u] != 0.0f) {
+                iso_mad_unpacked(n, vkq + t*vkq_stride, c + u*n, d + u*(n/qk), w[t][u], qk);
+            }
+        }
+    }
+#endif
+}
 
 void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     const struct ggml_tensor * q     = dst->src[0];
@@ -403,82 +471,89 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     // per-tile state: everything one query row owns in the one-row loop
     float         VKQ[RQ_FA_TILE][DV];
     float         Q32[RQ_FA_TILE][qrow/sizeof(float) + 1];
-    float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE], mv[RQ_FA_TILE];
-    const ggml_fp16_t * mp[RQ_FA_TILE];
+    float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
-    // the current key and value, unpacked once for the tile
+    // the current key, and the block's values, unpacked once for the tile; the block's scores, then weights
     float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
-    float vc[DV], vd[DV/v_qk];
+    float vc[RQ_FA_KB][DV], vd[RQ_FA_KB][DV/v_qk];
+    float sc[RQ_FA_TILE][RQ_FA_KB];
 
+    // Rows are taken heads-fastest (r = (iq3*neq1 + iq1)*neq2 + iq2), and a tile is the query heads of one token
+    // that share a K/V head and a mask row. Each row then sees its own visible keys, in cell order, in blocks of
+    // RQ_FA_KB: which cells a sequence holds, or who shares the ubatch or the tile, changes neither its blocks nor
+    // its float order, so a sequence decodes the same alone or in a unified cache with others.
     for (int64_t ir = ir0; ir < ir1; ) {
-        // a tile: consecutive rows that read the same K and V head
         int T = 0;
         int64_t ik2 = 0, ik3 = 0, iv2 = 0, iv3 = 0;
+        const ggml_fp16_t * mp = NULL;
         for (; T < RQ_FA_TILE && ir + T < ir1; ++T) {
             const int64_t r   = ir + T;
-            const int64_t iq3 = r/(neq2*neq1);
-            const int64_t iq2 = (r - iq3*neq2*neq1)/neq1;
-            const int64_t iq1 = (r - iq3*neq2*neq1 - iq2*neq1);
+            const int64_t iq3 = r/(neq1*neq2);
+            const int64_t iq1 = (r - iq3*neq1*neq2)/neq2;
+            const int64_t iq2 = r - iq3*neq1*neq2 - iq1*neq2;
+            const ggml_fp16_t * mpt = mask ? (const ggml_fp16_t *)((const char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : NULL;
             if (T == 0) {
                 ik2 = iq2/rk2; ik3 = iq3/rk3; iv2 = iq2/rv2; iv3 = iq3/rv3;
-            } else if (iq2/rk2 != ik2 || iq3/rk3 != ik3 || iq2/rv2 != iv2 || iq3/rv3 != iv3) {
+                mp = mpt;
+            } else if (iq2/rk2 != ik2 || iq3/rk3 != ik3 || iq2/rv2 != iv2 || iq3/rv3 != iv3 || mpt != mp) {
                 break;
             }
             row[T][0] = iq1; row[T][1] = iq2; row[T][2] = iq3;
             const uint32_t h = iq2;
             slope[T] = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
-            mp[T] = mask ? (const ggml_fp16_t *)((const char *) mask->data + iq1*mask->nb[1] + (iq2%mask->ne[2])*mask->nb[2] + (iq3%mask->ne[3])*mask->nb[3]) : NULL;
             M[T] = -INFINITY;
             S[T] = 0.0f;
             memset(VKQ[T], 0, DV*sizeof(float));
             q_to_vec_dot((const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3)), Q32[T], DK);
         }
 
-        for (int64_t ic = 0; ic < nek1; ++ic) {
-            bool any = false;
-            for (int t = 0; t < T; ++t) {
-                mv[t] = mp[t] ? slope[t]*GGML_CPU_FP16_TO_FP32(mp[t][ic]) : 0.0f;
-                any |= mv[t] != -INFINITY;
-            }
-            if (!any) {
-                continue;
-            }
-            const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
-            const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
-            if (k_iso) {
-                iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
-            }
-            iso_unpack(DV, v_data, vc, vd, v_bits, v_qk);
-
-            for (int t = 0; t < T; ++t) {
-                if (mv[t] == -INFINITY) {
+        // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
+        // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values, unpacked once
+        for (int64_t ic = 0; ic < nek1; ) {
+            int nu = 0;
+            for (; ic < nek1 && nu < RQ_FA_KB; ++ic) {
+                const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
+                if (mk == -INFINITY) {
                     continue;
                 }
-                float s;
+                const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
+                const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
+                float s[RQ_FA_TILE];
                 if (k_iso) {
-                    s = iso_dot_unpacked(DK, kc, kd, Q32[t], k_qk);
+                    iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
+                    iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
                 } else {
-                    kq_vec_dot(DK, &s, 0, k_data, 0, Q32[t], 0, 1);
+                    for (int t = 0; t < T; ++t) {
+                        kq_vec_dot(DK, &s[t], 0, k_data, 0, Q32[t], 0, 1);
+                    }
                 }
-                s = s*scale;
-                if (logit_softcap != 0.0f) {
-                    s = logit_softcap*tanhf(s);
+                iso_unpack(DV, v_data, vc[nu], vd[nu], v_bits, v_qk);
+                for (int t = 0; t < T; ++t) {
+                    float x = s[t]*scale;
+                    if (logit_softcap != 0.0f) {
+                        x = logit_softcap*tanhf(x);
+                    }
+                    sc[t][nu] = x + slope[t]*mk;
                 }
-                s += mv[t];
-
-                const float Mold = M[t];
-                float ms = 1.0f;
-                float vs = 1.0f;
-                if (s > M[t]) {
-                    M[t] = s;
-                    ms = expf(Mold - M[t]);
-                    ggml_vec_scale_f32(DV, VKQ[t], ms);
-                } else {
-                    vs = expf(s - M[t]);
-                }
-                iso_mad_unpacked(DV, VKQ[t], vc, vd, vs, v_qk);
-                S[t] = S[t]*ms + vs;
+                nu++;
             }
+            if (nu == 0) {
+                break;
+            }
+            for (int t = 0; t < T; ++t) {
+                float bmax = -INFINITY;
+                for (int u = 0; u < nu; ++u) {
+                    bmax = MAX(bmax, sc[t][u]);
+                }
+                if (bmax > M[t]) {
+                    const float ms = expf(M[t] - bmax); // 0 on the row's first block
+                    ggml_vec_scale_f32(DV, VKQ[t], ms);
+                    S[t] *= ms;
+                    M[t] = bmax;
+                }
+                S[t] += (float) ggml_vec_soft_max_f32(nu, sc[t], sc[t], M[t]);
+            }
+            iso_mad_rows(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) sc, v_qk);
         }
 
         for (int t = 0; t < T; ++t) {
