@@ -154,8 +154,10 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
             for rec in run_llama_bench(model, ctype, unfused=unfused, depths=list(depths), n_prompt=n_prompt,
                                        n_gen=n_gen, reps=1, threads=threads, timeout=timeout,
                                        deferred=DEFERRED in label):
-                s = samples.setdefault((label, int(rec.get("n_depth", 0))), {"pp": [], "tg": []})
-                s["pp" if int(rec["n_gen"]) == 0 else "tg"].append(float(rec["avg_ts"]))
+                depth, kind = int(rec.get("n_depth", 0)), "pp" if int(rec["n_gen"]) == 0 else "tg"
+                samples.setdefault((label, depth), {"pp": [], "tg": []})[kind].append(float(rec["avg_ts"]))
+                # each result as it comes: a run at depth 32K takes most of an hour per configuration here
+                progress(f"[rq-bench]   {label} at depth {depth}: {kind} {float(rec['avg_ts']):.2f} t/s")
     per_token = {c: shape.bytes_per_token(c) for _, c, _ in configs}
     mixed = [c for c in per_token if kvtypes.layer_types(c)]
     if mixed:  # per-layer types: llama.cpp's own accounting (bits per value x values per token)

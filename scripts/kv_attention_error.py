@@ -30,6 +30,10 @@ def main() -> None:
     ap.add_argument("--layers", default="11,15", help="layers (default 11,15: Gemma3's full layer 11, window layer 15)")
     ap.add_argument("--contexts", default="512,2048,8192")
     ap.add_argument("--queries", type=int, default=32, help="last positions of each context scored")
+    ap.add_argument("--f16-windows", default="128", help="comma-separated sizes W of an F16 window of the last W "
+                    "keys (and values, in the 'K+V' columns) kept exact, with mu0-2k centring")
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the centring columns to score "
+                    "(default all); the window columns are always scored")
     ap.add_argument("--window", type=int, default=None, help="sliding window of the chosen layers, 0 for none "
                                                              "(default: Gemma3's, every layer but each 6th attends 512)")
     ap.add_argument("--rope-base", type=float, default=1e6, help="RoPE base of full-attention layers (Gemma3: 1e6)")
@@ -67,10 +71,13 @@ def main() -> None:
         p /= p.sum()
         return p @ V[lo:hi]
 
+    wins = [int(w) for w in a.f16_windows.split(",") if w]
+    variants = [v for v in VARIANTS if a.variants is None or v in a.variants.split(",")]
+    variants += [f"mu0-2k, last {w} f16" for w in wins] + ["K+V iso3"] + [f"K+V iso3, last {w} f16" for w in wins]
     print("Relative attention-output error ||o' - o||^2 / ||o||^2, K through isoquant3_0 (V exact) per centring; "
-          "last column: V through isoquant3_0, K exact.\n")
-    print("| layer | ctx | " + " | ".join(VARIANTS) + " | V iso3 |")
-    print("|---:|---:|" + "---:|" * (len(VARIANTS) + 1))
+          "'K+V' columns: both through isoquant3_0 (K with mu0-2k); last column: V through isoquant3_0, K exact.\n")
+    print("| layer | ctx | " + " | ".join(variants) + " | V iso3 |")
+    print("|---:|---:|" + "---:|" * (len(variants) + 1))
     for il in layers:
         dk = C[f"attn_k_in-{il}"].size // n
         nh = C[f"attn_q_in-{il}"].size // (n * dk)
@@ -110,19 +117,20 @@ def main() -> None:
                     q = Q[t, h]
                     o = attend(q, K, V, lo, t + 1)
                     nrm = float((o ** 2).sum())
-                    for name in VARIANTS:
+                    for name in variants:
                         base = name.split(",")[0]
-                        Kx = Kq[base]
+                        Kx, Vx = (Kq["mu0-2k"], Vq) if base == "K+V iso3" else (Kq[base], V)
                         if name.endswith("sinks f16"):
                             Kx = Kx.copy()
                             Kx[:4] = K[:4]
-                        elif name.endswith("last 128 f16"):
-                            Kx = Kx.copy()
-                            Kx[max(0, t - 127):t + 1] = K[max(0, t - 127):t + 1]
-                        err.setdefault(name, []).append(float(((attend(q, Kx, V, lo, t + 1) - o) ** 2).sum()) / nrm)
+                        elif name.endswith(" f16"):
+                            w0 = max(0, t + 1 - int(name.split()[-2]))
+                            Kx, Vx = Kx.copy(), Vx.copy()
+                            Kx[w0:t + 1], Vx[w0:t + 1] = K[w0:t + 1], V[w0:t + 1]
+                        err.setdefault(name, []).append(float(((attend(q, Kx, Vx, lo, t + 1) - o) ** 2).sum()) / nrm)
                     err.setdefault("V", []).append(float(((attend(q, K, Vq, lo, t + 1) - o) ** 2).sum()) / nrm)
             print(f"| {il}{' (window)' if window else ''} | {ctx} | "
-                  + " | ".join(f"{np.mean(err[v]):.4f}" for v in VARIANTS) + f" | {np.mean(err['V']):.4f} |", flush=True)
+                  + " | ".join(f"{np.mean(err[v]):.4f}" for v in variants) + f" | {np.mean(err['V']):.4f} |", flush=True)
     print()
     print("| layer | positions | mu0-2k | mu0-8k | own (positions' own mean) |   (K residual energy / none)")
     print("|---:|---|---:|---:|---:|")
@@ -148,7 +156,7 @@ def rope(x: np.ndarray, pos: np.ndarray, base: float, sign: int) -> np.ndarray:
 
 
 VARIANTS = ("mu0-2k", "mu0-8k", "none", "own", "rope", "rope top4", "rope top8", "rope top16",
-            "mu0-2k, 4 sinks f16", "mu0-2k, last 128 f16")
+            "mu0-2k, 4 sinks f16")
 
 if __name__ == "__main__":
     main()
