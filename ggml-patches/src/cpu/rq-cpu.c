@@ -468,7 +468,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
 
     const size_t qrow = ggml_row_size(k_vec_dot_type, DK);
 
-    // per-tile state: everything one query row owns in the one-row loop
+    // per-tile state: what each query row of the tile owns
     float         VKQ[RQ_FA_TILE][DV];
     float         Q32[RQ_FA_TILE][qrow/sizeof(float) + 1];
     float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
