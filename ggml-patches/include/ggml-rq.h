@@ -14,11 +14,12 @@ extern "C" {
 #endif
 
 // bumped whenever the packed formats or this API change
-#define GGML_RQ_VERSION 6   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
+#define GGML_RQ_VERSION 7   // 2: GGML_TYPE_ISOQUANT4_0; 3: deferred prefill switch and counters;
                             // 4: the 64-wide types ISOQUANT3_64/ISOQUANT4_64 (ISOQ_Q64), *_qk rotation/codebook;
                             // 5: ggml_rq_quantize_itq3_s_xtx (ITQ3_S LDLQ with calibration statistics);
                             // 6: the unfused/K-centring/deferred switches and their counters moved to llama's
                             //    context params; ggml_rq_tensor_offset
+                            // 7: ggml_rq_flash_attn_ext_set_exact (exact rows of a recent window)
 
 GGML_API int ggml_rq_version(void);
 
@@ -71,6 +72,14 @@ GGML_API const char * ggml_rq_counter_name(enum ggml_rq_counter c);
 // sizeof for "sizeof", SIZE_MAX for an unknown name. ctypes mirrors (rotaryquant.bindings.capture) check theirs
 // against it, so that a change of the struct upstream fails loudly instead of reading the wrong bytes.
 GGML_API size_t ggml_rq_tensor_offset(const char * field);
+
+// Exact rows for some keys of a flash attention whose V (and possibly K) is IsoQuant: k_x/v_x are F16
+// [n_embd_k_gqa / n_embd_v_gqa, n_rows] in the cache's own domain (what SET_ROWS quantises: K centred, not rotated),
+// rows is I32 [n_kv, n_stream]: the row of k_x/v_x that stands in for that cell's packed K and V, -1 for none. An exact
+// key is scored with the op's q as given and its value accumulated outside the rotated domain, added after the one
+// inverse rotation. Sets src[5..7] of fa; the CPU kernel reads them, other backends must refuse such an op.
+GGML_API void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tensor * k_x,
+                                              struct ggml_tensor * v_x, struct ggml_tensor * rows);
 
 // The unfused path, K centring and deferred prefill are settings of a llama context (llama_context_params:
 // iso_unfused, k_center, kv_deferred), not of this library.

@@ -81,6 +81,20 @@ size_t ggml_rq_tensor_offset(const char * field) {
     return SIZE_MAX;
 }
 
+void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tensor * k_x,
+                                      struct ggml_tensor * v_x, struct ggml_tensor * rows) {
+    const struct ggml_tensor * k = fa->src[1];
+    const struct ggml_tensor * v = fa->src[2];
+    GGML_ASSERT(fa->op == GGML_OP_FLASH_ATTN_EXT && ggml_rq_type_is_iso(v->type));
+    GGML_ASSERT(k_x->type == GGML_TYPE_F16 && v_x->type == GGML_TYPE_F16 && rows->type == GGML_TYPE_I32);
+    GGML_ASSERT(ggml_is_contiguous(k_x) && ggml_is_contiguous(v_x) && ggml_is_contiguous(rows));
+    GGML_ASSERT(k_x->ne[0] == k->ne[0]*k->ne[2] && v_x->ne[0] == v->ne[0]*v->ne[2] && k_x->ne[1] == v_x->ne[1]);
+    GGML_ASSERT(rows->ne[0] == k->ne[1] && rows->ne[1] == k->ne[3]);
+    fa->src[5] = k_x;
+    fa->src[6] = v_x;
+    fa->src[7] = rows;
+}
+
 static _Atomic int rq_iso_variant  = GGML_RQ_ISO_V3;
 static _Atomic int rq_iso_skip_inv = 0;
 

@@ -79,6 +79,57 @@ static std::vector<float> roundtrip(const std::vector<float> & x, int hs, ggml_t
     return y;
 }
 
+// Exact rows (ggml_rq_flash_attn_ext_set_exact): cells listed in rows take K/V from F16 rows in place of their packed
+// ones. q [hs, n_q, n_head, n_stream], k/v [hs, n_kv, n_head_kv, n_stream] (floats quantised to tk/tv), xk/xv the
+// exact rows [hs*n_head_kv, n_rows] as floats (stored F16), rows [n_kv, n_stream], mask [n_kv, n_q] shared by the
+// streams (NaN: no mask). Without xk (empty) it is plain flash attention.
+static std::vector<float> attend_x(ggml_type tk, ggml_type tv, const std::vector<float> & q, const std::vector<float> & k,
+                                   const std::vector<float> & v, const std::vector<float> & xk, const std::vector<float> & xv,
+                                   const std::vector<int32_t> & rows, const std::vector<float> & mask,
+                                   int hs, int n_q, int n_head, int n_kv, int n_head_kv, int n_stream) {
+    ggml_init_params ip = { 256u*1024*1024, nullptr, false };
+    ggml_context * ctx = ggml_init(ip);
+    ggml_tensor * tq = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, hs, n_q, n_head, n_stream);
+    memcpy(tq->data, q.data(), ggml_nbytes(tq));
+    auto make = [&](ggml_type t, const std::vector<float> & src) {
+        ggml_tensor * x = ggml_new_tensor_4d(ctx, t, hs, n_kv, n_head_kv, n_stream);
+        if (t == GGML_TYPE_F32) {
+            memcpy(x->data, src.data(), ggml_nbytes(x));
+        } else {
+            ggml_quantize_chunk(t, src.data(), x->data, 0, (int64_t) n_kv*n_head_kv*n_stream, hs, nullptr);
+        }
+        return x;
+    };
+    ggml_tensor * tm = nullptr;
+    if (!mask.empty()) {
+        tm = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, n_q);
+        ggml_fp32_to_fp16_row(mask.data(), (ggml_fp16_t *) tm->data, (int64_t) mask.size());
+    }
+    ggml_tensor * out = ggml_flash_attn_ext(ctx, tq, make(tk, k), make(tv, v), tm, 1.0f/sqrtf((float) hs), 0.0f, 0.0f);
+    ggml_prec_set_acc(out, GGML_PREC_F32);
+    if (!xk.empty()) {
+        const int64_t n_rows = (int64_t) xk.size()/(hs*n_head_kv);
+        ggml_tensor * kx = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, hs*n_head_kv, n_rows);
+        ggml_tensor * vx = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, hs*n_head_kv, n_rows);
+        ggml_tensor * tr = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, n_stream);
+        ggml_fp32_to_fp16_row(xk.data(), (ggml_fp16_t *) kx->data, (int64_t) xk.size());
+        ggml_fp32_to_fp16_row(xv.data(), (ggml_fp16_t *) vx->data, (int64_t) xv.size());
+        memcpy(tr->data, rows.data(), ggml_nbytes(tr));
+        ggml_rq_flash_attn_ext_set_exact(out, kx, vx, tr);
+    }
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    ggml_graph_compute_with_ctx(ctx, gf, 2);
+    std::vector<float> res(ggml_nelements(out));
+    memcpy(res.data(), out->data, ggml_nbytes(out));
+    ggml_free(ctx);
+    return res;
+}
+
+static float f16_round(float x) {
+    return ggml_fp16_to_fp32(ggml_fp32_to_fp16(x));
+}
+
 static double rel_err(const std::vector<float> & a, const std::vector<float> & b) {
     double num = 0, den = 0;
     for (size_t i = 0; i < a.size(); ++i) {
@@ -177,6 +228,86 @@ int main() {
 
     // the 4-bit codebook's noise is half the 3-bit one's (sqrt of the MSE ratio 0.0093/0.034 = 0.52)
     CHECK(sum_e4 < 0.7*sum_e3, "4-bit attention error %.3g is not well below 3-bit %.3g (summed over cases)", sum_e4, sum_e3);
+
+    // exact rows: the fused kernel with some cells' K/V taken from F16 rows (a recent window, scattered cells, masked
+    // ones among them, two streams) against F32 attention over the same values: each cell's K/V is either the F16
+    // row or the packed row's dequantisation. Also a row's output does not change with the rows around it.
+    for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_64})
+    for (ggml_type tk : {it, GGML_TYPE_F32})
+    for (int n_stream : {1, 2})
+    for (int n_q : {1, 5}) {
+        const int hs = ggml_rq_iso_qk(it) == 64 ? 64 : 128, n_kv = 200, n_embd = hs*n_head_kv;
+        const size_t per_stream = (size_t) hs*n_kv*n_head_kv;
+        std::vector<float> q((size_t) hs*n_q*n_head*n_stream), k(per_stream*n_stream), v(k.size());
+        fill(q, rng, 1.0f, 1.0f);
+        fill(k, rng, 1.0f, 8.0f);
+        fill(v, rng, 0.5f, 1.0f);
+        // rows 0..n_rows: stream s's cells n_kv-16..n_kv-1 and every 7th cell, exact data the unquantised K/V
+        std::vector<int32_t> rows((size_t) n_kv*n_stream, -1);
+        std::vector<float> xk, xv;
+        for (int s = 0; s < n_stream; ++s) {
+            for (int c = 0; c < n_kv; ++c) {
+                if (c < n_kv - 16 && c % 7 != 3) {
+                    continue;
+                }
+                rows[(size_t) s*n_kv + c] = (int32_t) (xk.size()/n_embd);
+                for (int h = 0; h < n_head_kv; ++h) {
+                    const size_t off = (size_t) s*per_stream + ((size_t) h*n_kv + c)*hs;
+                    xk.insert(xk.end(), k.begin() + off, k.begin() + off + hs);
+                    xv.insert(xv.end(), v.begin() + off, v.begin() + off + hs);
+                }
+            }
+        }
+        std::vector<float> mask((size_t) n_kv*n_q, 0.0f);
+        for (int i = 0; i < n_q; ++i) {
+            for (int c = 0; c < n_kv; ++c) {
+                if (c % 11 == 5 || c > n_kv - n_q + i) {
+                    mask[(size_t) i*n_kv + c] = -INFINITY; // a hole pattern and a causal tail
+                }
+            }
+        }
+        // the reference's K/V: F16-rounded exact rows, the packed rows' dequantisation elsewhere
+        std::vector<float> kr = tk == GGML_TYPE_F32 ? k : roundtrip(k, hs, tk), vr = roundtrip(v, hs, it);
+        for (int s = 0; s < n_stream; ++s) {
+            for (int c = 0; c < n_kv; ++c) {
+                const int32_t r = rows[(size_t) s*n_kv + c];
+                if (r < 0) {
+                    continue;
+                }
+                for (int h = 0; h < n_head_kv; ++h) {
+                    const size_t off = (size_t) s*per_stream + ((size_t) h*n_kv + c)*hs;
+                    for (int i = 0; i < hs; ++i) {
+                        kr[off + i] = f16_round(xk[(size_t) r*n_embd + h*hs + i]);
+                        vr[off + i] = f16_round(xv[(size_t) r*n_embd + h*hs + i]);
+                    }
+                }
+            }
+        }
+        const char * tn = ggml_type_name(it);
+        ggml_rq_counters_reset();
+        const std::vector<float> got = attend_x(tk, it, q, k, v, xk, xv, rows, mask, hs, n_q, n_head, n_kv, n_head_kv, n_stream);
+        CHECK(ggml_rq_counter_get(GGML_RQ_ISO_DEQUANT_ROWS) == 0, "exact rows: the fused run dequantised rows");
+        const std::vector<float> ref = attend_x(GGML_TYPE_F32, GGML_TYPE_F32, q, kr, vr, {}, {}, {}, mask, hs, n_q, n_head, n_kv, n_head_kv, n_stream);
+        const double e = rel_err(got, ref);
+        CHECK(e < 2e-5, "%s K %s streams=%d n_q=%d: exact rows vs F32 twin rel err %.3g", tn, ggml_type_name(tk), n_stream, n_q, e);
+        // and they matter: without them the output is the packed cache's
+        const std::vector<float> packed = attend_x(tk, it, q, k, v, {}, {}, {}, mask, hs, n_q, n_head, n_kv, n_head_kv, n_stream);
+        CHECK(rel_err(packed, ref) > 10*e + 1e-4, "%s: exact rows changed nothing (%.3g)", tn, rel_err(packed, ref));
+        // the last query row alone gives the same bits as in company
+        if (n_q > 1 && n_stream == 1) {
+            std::vector<float> q1(q.size()/n_q*1), m1(mask.end() - n_kv, mask.end());
+            for (int h = 0; h < n_head; ++h) {
+                memcpy(&q1[(size_t) h*hs], &q[((size_t) h*n_q + n_q - 1)*hs], hs*sizeof(float));
+            }
+            const std::vector<float> one = attend_x(tk, it, q1, k, v, xk, xv, rows, m1, hs, 1, n_head, n_kv, n_head_kv, 1);
+            int n_diff = 0;
+            for (int h = 0; h < n_head; ++h) {
+                // out is [hs, n_head, n_q]: the last token's heads
+                n_diff += memcmp(&one[(size_t) h*hs], &got[((size_t) (n_q - 1)*n_head + h)*hs], hs*sizeof(float)) != 0;
+            }
+            CHECK(n_diff == 0, "%s: the last row alone differs from the same row in company (%d heads)", tn, n_diff);
+        }
+    }
 
     // the ablation switch really skips the inverse rotation (output stays in the rotated domain)
     {

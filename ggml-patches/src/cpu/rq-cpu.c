@@ -422,6 +422,11 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     const struct ggml_tensor * v     = dst->src[2];
     const struct ggml_tensor * mask  = dst->src[3];
     const struct ggml_tensor * sinks = dst->src[4];
+    // exact rows standing in for some cells' packed K and V (ggml_rq_flash_attn_ext_set_exact), in the cache's domain
+    const struct ggml_tensor * k_x   = dst->src[5];
+    const struct ggml_tensor * v_x   = dst->src[6];
+    const int32_t            * xrows = dst->src[7] ? (const int32_t *) dst->src[7]->data : NULL;
+    GGML_ASSERT(!xrows || q->type == GGML_TYPE_F32);
 
     GGML_TENSOR_LOCALS(int64_t, neq, q,   ne)
     GGML_TENSOR_LOCALS(size_t,  nbq, q,   nb)
@@ -477,6 +482,12 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
     float vc[RQ_FA_KB][DV], vd[RQ_FA_KB][DV/v_qk];
     float sc[RQ_FA_TILE][RQ_FA_KB];
+    // exact keys: the raw query rows, the values accumulated unrotated, the block's exact values and both kinds' weights
+    const float * QR[RQ_FA_TILE];
+    float VKX[RQ_FA_TILE][xrows ? DV : 1];
+    float kx[xrows ? DK : 1], vx[xrows ? RQ_FA_KB : 1][xrows ? DV : 1];
+    float wc[RQ_FA_TILE][RQ_FA_KB], wx[RQ_FA_TILE][RQ_FA_KB];
+    bool  is_x[RQ_FA_KB];
 
     // Rows are taken heads-fastest (r = (iq3*neq1 + iq1)*neq2 + iq2), and a tile is the query heads of one token
     // that share a K/V head and a mask row. Each row then sees its own visible keys, in cell order, in blocks of
@@ -504,13 +515,17 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             M[T] = -INFINITY;
             S[T] = 0.0f;
             memset(VKQ[T], 0, DV*sizeof(float));
+            if (xrows) {
+                memset(VKX[T], 0, DV*sizeof(float));
+                QR[T] = (const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3));
+            }
             q_to_vec_dot((const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3)), Q32[T], DK);
         }
 
         // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
         // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values, unpacked once
         for (int64_t ic = 0; ic < nek1; ) {
-            int nu = 0;
+            int nu = 0, nc = 0, nx = 0; // keys in the block: all, packed, exact
             for (; ic < nek1 && nu < RQ_FA_KB; ++ic) {
                 const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
                 if (mk == -INFINITY) {
@@ -518,8 +533,16 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 }
                 const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
                 const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
+                const int32_t xr = xrows ? xrows[ik3*nek1 + ic] : -1;
                 float s[RQ_FA_TILE];
-                if (k_iso) {
+                is_x[nu] = xr >= 0;
+                if (xr >= 0) {
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) k_x->data + xr*k_x->nb[1]) + ik2*DK, kx, DK);
+                    for (int t = 0; t < T; ++t) {
+                        ggml_vec_dot_f32(DK, &s[t], 0, kx, 0, QR[t], 0, 1);
+                    }
+                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) v_x->data + xr*v_x->nb[1]) + iv2*DV, vx[nx++], DV);
+                } else if (k_iso) {
                     iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
                     iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
                 } else {
@@ -527,7 +550,10 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                         kq_vec_dot(DK, &s[t], 0, k_data, 0, Q32[t], 0, 1);
                     }
                 }
-                iso_unpack(DV, v_data, vc[nu], vd[nu], v_bits, v_qk);
+                if (xr < 0) {
+                    iso_unpack(DV, v_data, vc[nc], vd[nc], v_bits, v_qk);
+                    nc++;
+                }
                 for (int t = 0; t < T; ++t) {
                     float x = s[t]*scale;
                     if (logit_softcap != 0.0f) {
@@ -548,16 +574,40 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 if (bmax > M[t]) {
                     const float ms = expf(M[t] - bmax); // 0 on the row's first block
                     ggml_vec_scale_f32(DV, VKQ[t], ms);
+                    if (xrows) {
+                        ggml_vec_scale_f32(DV, VKX[t], ms);
+                    }
                     S[t] *= ms;
                     M[t] = bmax;
                 }
                 S[t] += (float) ggml_vec_soft_max_f32(nu, sc[t], sc[t], M[t]);
             }
-            iso_mad_rows(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) sc, v_qk);
+            if (nx == 0) {
+                iso_mad_rows(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) sc, v_qk);
+                continue;
+            }
+            for (int t = 0; t < T; ++t) {
+                for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
+                    if (is_x[u]) {
+                        wx[t][jx++] = sc[t][u];
+                    } else {
+                        wc[t][jc++] = sc[t][u];
+                    }
+                }
+                for (int j = 0; j < nx; ++j) {
+                    ggml_vec_mad_f32(DV, VKX[t], vx[j], wx[t][j]);
+                }
+            }
+            if (nc > 0) {
+                iso_mad_rows(T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) wc, v_qk);
+            }
         }
 
         for (int t = 0; t < T; ++t) {
             ggml_rq_iso_unrotate_qk(DV, VKQ[t], v_qk);
+            if (xrows) {
+                ggml_vec_acc_f32(DV, VKQ[t], VKX[t]);
+            }
             if (sinks) {
                 const float s = ((const float *) sinks->data)[row[t][1]];
                 float ms = 1.0f;
