@@ -131,6 +131,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
         llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=N_BATCH,
                               n_threads=threads, n_threads_batch=threads, flash_attn=True, type_k=tk,
                               type_v=tv, logits_all=False, verbose=False, kv_layer_types=kvtypes.layer_types(cache),
+                              kv_window=kvtypes.window(cache),
                               **bindings.llama_kwargs(k_center="auto" if kvtypes.k_center(cache) else "off",
                                                       deferred=deferred))
     except (ValueError, RuntimeError) as e:
@@ -180,11 +181,13 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     from rotaryquant.plan.accounting import kv_bits_or_none
 
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
-    bits = kv_bits_or_none(model, [BASELINE, *cache_types], max(prefill) + tokens, progress)
+    # per context: a recent window's F16 copies (+wN) are a share of it
+    bits_at = {n: kv_bits_or_none(model, [BASELINE, *cache_types], n + tokens, progress) for n in prefill}
     rows = []
     t_start = time.time()
     for n in prefill:
         targets = np.asarray(toks[n:n + tokens + 1])
+        bits = bits_at[n]
         progress(f"[rq-eval decode] prefill {n}: {BASELINE} baseline")
         base = run_once(model, toks, n=n, m=tokens, cache=BASELINE, threads=threads)
         rows.append(_row(n, BASELINE, False, base, score(base["logits"], base["logits"], targets), tokens, bits))

@@ -61,7 +61,7 @@ def run(model: Path, *, cache_type: str = "f16", unfused: bool = False, max_toke
     tk, tv = (bindings.type_from_name(x) for x in kvtypes.split(cache_type))
     llm = llama_cpp.Llama(model_path=str(model), n_ctx=1024, n_threads=threads, seed=42, verbose=False,
                           flash_attn=True, type_k=tk, type_v=tv, k_center=kvtypes.k_center(cache_type),
-                          kv_layer_types=kvtypes.layer_types(cache_type),
+                          kv_layer_types=kvtypes.layer_types(cache_type), kv_window=kvtypes.window(cache_type),
                           iso_unfused=unfused)
     checks = []
     for item in spec["prompts"]:

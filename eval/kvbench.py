@@ -135,6 +135,7 @@ def run_llama_bench(model: Path, cache_type: str, *, unfused: bool, depths: list
     env.pop("LLAMA_KV_LAYER_TYPES", None)
     if kvtypes.layer_types(cache_type):
         env["LLAMA_KV_LAYER_TYPES"] = kvtypes.layer_types(cache_type)  # llama-bench has no flag for it
+    env["LLAMA_KV_WINDOW"] = str(kvtypes.window(cache_type))  # nor for this
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if proc.returncode != 0:
         raise BenchError(f"llama-bench failed for {cache_type} (exit {proc.returncode}): {proc.stderr[-1500:]}")

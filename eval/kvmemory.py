@@ -37,7 +37,8 @@ def _child(model: str, cache: str, n_tokens: int, deferred: bool, threads: int) 
     tk, tv = (bindings.type_from_name(t) for t in kvtypes.split(cache))
     llm = llama_cpp.Llama(model_path=model, n_ctx=n_tokens + 256, n_batch=512, n_ubatch=512, n_threads=threads,
                           type_k=tk, type_v=tv, flash_attn=True, verbose=False, kv_deferred=deferred,
-                          k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache))
+                          k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache),
+                          kv_window=kvtypes.window(cache))
     ids = llm.tokenize(data.evaluation_text().read_bytes()[: n_tokens * 8])[:n_tokens]
     if len(ids) < n_tokens:
         raise ValueError(f"the evaluation text has only {len(ids)} tokens, fewer than {n_tokens}")

@@ -94,7 +94,7 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
             llm = llama_cpp.Llama(model_path=str(model), n_ctx=ctx, n_batch=512, n_threads=threads, seed=seeds[0],
                                   flash_attn=True, type_k=tk, type_v=tv, verbose=False,
                                   k_center=kvtypes.k_center(cache), kv_layer_types=kvtypes.layer_types(cache),
-                                  kv_deferred=dfr)
+                                  kv_window=kvtypes.window(cache), kv_deferred=dfr)
             limit = llama_cpp.llama_model_n_ctx_train(llm.model)
             if ctx > limit:
                 raise NiahError(f"context {ctx} is larger than the model's training context {limit}")

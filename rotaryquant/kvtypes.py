@@ -5,9 +5,12 @@ rq-calibrate --kv-bits stored in the model), and an
 optional "+calib" or "+self" suffix: K centring on, as llama.cpp runs by default. "+calib" reads: the model's
 K-cache calibration (rq-calibrate); "+self" reads: the file has none, the runtime measures its own (the same
 switch; the label says which statistics a row used). Without a suffix, runs pass --no-k-center, so the same
-file measures both sides of the A/B in one run."""
+file measures both sides of the A/B in one run. "+wN" anywhere after the types: the recent window of N positions
+kept exact (llama.cpp's --kv-window), e.g. "isoquant3_0+w16+calib"."""
 
 from __future__ import annotations
+
+import re
 
 from rotaryquant.bindings.ggml import ISO_TYPES  # the IsoQuant KV types
 
@@ -16,9 +19,18 @@ SELF = "+self"
 MODEL = "model"  # per-layer types: the model's stored allocation (rq-calibrate --kv-bits)
 
 
+_WINDOW = re.compile(r"\+w(\d+)")
+
+
+def window(spec: str) -> int:
+    """The recent window of a spec in positions (llama.cpp's kv_window; 0: none)."""
+    m = _WINDOW.search(spec)
+    return int(m.group(1)) if m else 0
+
+
 def suffix(spec: str) -> str:
     """The K-centring suffix of a spec ("" when K centring is off)."""
-    s = spec.strip()
+    s = _WINDOW.sub("", spec.strip())
     return next((x for x in (CALIB, SELF) if s.endswith(x)), "")
 
 
@@ -27,7 +39,7 @@ def k_center(spec: str) -> bool:
 
 
 def _body(spec: str) -> tuple[str, str]:
-    s = spec.strip()
+    s = _WINDOW.sub("", spec.strip())
     s = s[: -len(suffix(s))] if suffix(s) else s
     base, _, layers = s.partition("@")
     return base.strip(), layers.strip()

@@ -75,11 +75,14 @@ GGML_API size_t ggml_rq_tensor_offset(const char * field);
 
 // Exact rows for some keys of a flash attention whose V (and possibly K) is IsoQuant: k_x/v_x are F16
 // [n_embd_k_gqa / n_embd_v_gqa, n_rows] in the cache's own domain (what SET_ROWS quantises: K centred, not rotated),
-// rows is I32 [n_kv, n_stream]: the row of k_x/v_x that stands in for that cell's packed K and V, -1 for none. An exact
-// key is scored with the op's q as given and its value accumulated outside the rotated domain, added after the one
-// inverse rotation. Sets src[5..7] of fa; the CPU kernel reads them, other backends must refuse such an op.
+// rows is I32 [n_kv, n_stream]: the row of k_x/v_x that stands in for that cell's packed K and V, -1 for none. With
+// until (I32 [n_kv, n_stream]) and q_pos (I32 [n_q, n_stream], each query's position) a query uses a cell's row only
+// if q_pos <= until (a window of recent positions); without them, always. An exact key is scored with the op's q as
+// given and its value accumulated outside the rotated domain, added after the one inverse rotation. Sets src[5..9] of
+// fa; the CPU kernel reads them, other backends must refuse such an op.
 GGML_API void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tensor * k_x,
-                                              struct ggml_tensor * v_x, struct ggml_tensor * rows);
+                                              struct ggml_tensor * v_x, struct ggml_tensor * rows,
+                                              struct ggml_tensor * until, struct ggml_tensor * q_pos);
 
 // The unfused path, K centring and deferred prefill are settings of a llama context (llama_context_params:
 // iso_unfused, k_center, kv_deferred), not of this library.

@@ -82,7 +82,8 @@ size_t ggml_rq_tensor_offset(const char * field) {
 }
 
 void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tensor * k_x,
-                                      struct ggml_tensor * v_x, struct ggml_tensor * rows) {
+                                      struct ggml_tensor * v_x, struct ggml_tensor * rows,
+                                      struct ggml_tensor * until, struct ggml_tensor * q_pos) {
     const struct ggml_tensor * k = fa->src[1];
     const struct ggml_tensor * v = fa->src[2];
     GGML_ASSERT(fa->op == GGML_OP_FLASH_ATTN_EXT && ggml_rq_type_is_iso(v->type));
@@ -90,9 +91,17 @@ void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tenso
     GGML_ASSERT(ggml_is_contiguous(k_x) && ggml_is_contiguous(v_x) && ggml_is_contiguous(rows));
     GGML_ASSERT(k_x->ne[0] == k->ne[0]*k->ne[2] && v_x->ne[0] == v->ne[0]*v->ne[2] && k_x->ne[1] == v_x->ne[1]);
     GGML_ASSERT(rows->ne[0] == k->ne[1] && rows->ne[1] == k->ne[3]);
+    GGML_ASSERT((until == NULL) == (q_pos == NULL));
+    if (until) {
+        GGML_ASSERT(until->type == GGML_TYPE_I32 && q_pos->type == GGML_TYPE_I32);
+        GGML_ASSERT(ggml_are_same_shape(until, rows) && ggml_is_contiguous(until) && ggml_is_contiguous(q_pos));
+        GGML_ASSERT(q_pos->ne[0] == fa->src[0]->ne[1] && q_pos->ne[1] == fa->src[0]->ne[3]);
+    }
     fa->src[5] = k_x;
     fa->src[6] = v_x;
     fa->src[7] = rows;
+    fa->src[8] = until;
+    fa->src[9] = q_pos;
 }
 
 static _Atomic int rq_iso_variant  = GGML_RQ_ISO_V3;

@@ -259,7 +259,10 @@ def dry_run(gguf: Path, specs: Sequence[str], *, n_ctx: int, n_seq: int = 1) -> 
 def kv_bits_per_value(gguf: Path, specs: list[str], n_ctx: int = 4096) -> dict[str, float]:
     """Bits per cached K/V value of each cache spec on this model: its K+V bytes over the values they hold (an F32
     cache's bytes / 4), every layer holding the whole context (so: the average over layers, weighted by each
-    layer's K/V width, per-layer types included). Dry contexts: nothing is allocated."""
+    layer's K/V width, per-layer types included), plus a recent window's F16 copies ("+wN": N more positions at 16
+    bits, counted on every layer). Dry contexts: nothing is allocated."""
+    from rotaryquant import kvtypes
+
     with NoAllocModel(gguf) as m:
         f32 = m.context("f32", n_ctx, swa_full=True)
         if f32.error:
@@ -269,7 +272,7 @@ def kv_bits_per_value(gguf: Path, specs: list[str], n_ctx: int = 4096) -> dict[s
             c = m.context(spec, n_ctx, swa_full=True)
             if c.error:
                 raise PlanError(f"KV spec {spec!r}: {c.error}")
-            out[spec] = 32.0 * c.kv / f32.kv
+            out[spec] = 32.0 * c.kv / f32.kv + 16.0 * min(kvtypes.window(spec), n_ctx) / n_ctx
         return out
 
 

@@ -34,15 +34,22 @@ def model(gemma3):
     L.llama_model_free(m)
 
 
+def _types(cp, cache: str) -> None:
+    """K/V types of "K[/V][+wN]" (N: the recent window, kv_window) into context params cp."""
+    cache, _, w = cache.partition("+w")
+    k, v = (cache.split("/") * 2)[:2]
+    cp.type_k, cp.type_v = G.type_from_name(k), G.type_from_name(v)
+    cp.kv_window = int(w or 0)
+
+
 def _greedy(model, prompts: tuple[str, ...], cache: str, unified: bool) -> list[list[np.ndarray]]:
     """Each prompt decoded in its own ubatch, then all sequences step in lockstep, one token each."""
     import llama_cpp as L
 
-    k, v = (cache.split("/") * 2)[:2]
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_seq_max, cp.kv_unified = 512 * 4, 4, unified
     cp.n_threads = cp.n_threads_batch = 2
-    cp.type_k, cp.type_v = G.type_from_name(k), G.type_from_name(v)
+    _types(cp, cache)
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
     ctx = L.llama_init_from_model(model, cp)
     assert ctx
@@ -79,7 +86,7 @@ def _greedy(model, prompts: tuple[str, ...], cache: str, unified: bool) -> list[
 
 
 @pytest.mark.parametrize("unified", [False, True], ids=["streams", "unified"])
-@pytest.mark.parametrize("cache", ["isoquant3_0", "q8_0/isoquant3_0", "f16"])
+@pytest.mark.parametrize("cache", ["isoquant3_0", "q8_0/isoquant3_0", "isoquant3_0+w4", "f16"])
 def test_lockstep_decode_equals_decode_alone(model, cache, unified):
     G.reset_counters()
     together = _greedy(model, PROMPTS, cache, unified)
@@ -115,10 +122,9 @@ def _prompt_logits(model, cache: str, chunk: int) -> list[np.ndarray]:
     """Logits of every prompt position, the prompt decoded in one ubatch (chunk=0) or `chunk` tokens at a time."""
     import llama_cpp as L
 
-    k, v = (cache.split("/") * 2)[:2]
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_threads, cp.n_threads_batch = 512, 2, 2
-    cp.type_k, cp.type_v = G.type_from_name(k), G.type_from_name(v)
+    _types(cp, cache)
     cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
     ctx = L.llama_init_from_model(model, cp)
     vocab = L.llama_model_get_vocab(model)
@@ -156,9 +162,9 @@ def test_prompt_in_one_ubatch_equals_prompt_in_pieces(gemma3):
 
     env = dict(os.environ, GGML_CPU_TILED_MM="0")
     p = subprocess.run([sys.executable, "-c", _SPLIT_SCRIPT, str(Path(__file__).parent), str(gemma3),
-                        "isoquant3_0,q8_0/isoquant3_0"], capture_output=True, text=True, env=env, timeout=600)
+                        "isoquant3_0,q8_0/isoquant3_0,isoquant3_0+w4"], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [line.split() for line in p.stdout.splitlines() if line.strip()]
-    assert len(rows) == 4, p.stdout
+    assert len(rows) == 6, p.stdout
     for cache, chunk, diff in rows:
         assert float(diff) == 0.0, f"{cache}: prompt in pieces of {chunk} differs by {diff}"

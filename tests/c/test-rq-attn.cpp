@@ -86,7 +86,8 @@ static std::vector<float> roundtrip(const std::vector<float> & x, int hs, ggml_t
 static std::vector<float> attend_x(ggml_type tk, ggml_type tv, const std::vector<float> & q, const std::vector<float> & k,
                                    const std::vector<float> & v, const std::vector<float> & xk, const std::vector<float> & xv,
                                    const std::vector<int32_t> & rows, const std::vector<float> & mask,
-                                   int hs, int n_q, int n_head, int n_kv, int n_head_kv, int n_stream) {
+                                   int hs, int n_q, int n_head, int n_kv, int n_head_kv, int n_stream,
+                                   const std::vector<int32_t> & until = {}, const std::vector<int32_t> & q_pos = {}) {
     ggml_init_params ip = { 256u*1024*1024, nullptr, false };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * tq = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, hs, n_q, n_head, n_stream);
@@ -115,7 +116,14 @@ static std::vector<float> attend_x(ggml_type tk, ggml_type tv, const std::vector
         ggml_fp32_to_fp16_row(xk.data(), (ggml_fp16_t *) kx->data, (int64_t) xk.size());
         ggml_fp32_to_fp16_row(xv.data(), (ggml_fp16_t *) vx->data, (int64_t) xv.size());
         memcpy(tr->data, rows.data(), ggml_nbytes(tr));
-        ggml_rq_flash_attn_ext_set_exact(out, kx, vx, tr);
+        ggml_tensor * tu = nullptr, * tp = nullptr;
+        if (!until.empty()) {
+            tu = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, n_stream);
+            tp = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_q, n_stream);
+            memcpy(tu->data, until.data(), ggml_nbytes(tu));
+            memcpy(tp->data, q_pos.data(), ggml_nbytes(tp));
+        }
+        ggml_rq_flash_attn_ext_set_exact(out, kx, vx, tr, tu, tp);
     }
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
@@ -293,6 +301,39 @@ int main() {
         // and they matter: without them the output is the packed cache's
         const std::vector<float> packed = attend_x(tk, it, q, k, v, {}, {}, {}, mask, hs, n_q, n_head, n_kv, n_head_kv, n_stream);
         CHECK(rel_err(packed, ref) > 10*e + 1e-4, "%s: exact rows changed nothing (%.3g)", tn, rel_err(packed, ref));
+        // a window: cell c holds position c, query i position n_kv - n_q + i, and a row counts for a query only within
+        // W = 6 positions of it (until = c + W - 1). Reference: each query alone over its own mix of K/V
+        if (n_stream == 1) {
+            const int W = 6;
+            std::vector<int32_t> until(n_kv), q_pos(n_q);
+            for (int c = 0; c < n_kv; ++c) until[c] = c + W - 1;
+            for (int i = 0; i < n_q; ++i) q_pos[i] = n_kv - n_q + i;
+            const std::vector<float> gw = attend_x(tk, it, q, k, v, xk, xv, rows, mask, hs, n_q, n_head, n_kv, n_head_kv, 1, until, q_pos);
+            double num = 0, den = 0;
+            for (int i = 0; i < n_q; ++i) {
+                std::vector<float> qi((size_t) hs*n_head), mi(mask.begin() + (size_t) i*n_kv, mask.begin() + (size_t) (i + 1)*n_kv);
+                for (int h = 0; h < n_head; ++h) memcpy(&qi[(size_t) h*hs], &q[((size_t) h*n_q + i)*hs], hs*sizeof(float));
+                std::vector<float> ki = tk == GGML_TYPE_F32 ? k : roundtrip(k, hs, tk), vi = roundtrip(v, hs, it);
+                for (int c = 0; c < n_kv; ++c) {
+                    if (rows[c] < 0 || q_pos[i] > until[c]) continue;
+                    for (int h = 0; h < n_head_kv; ++h) {
+                        const size_t off = ((size_t) h*n_kv + c)*hs;
+                        memcpy(&ki[off], &kr[off], hs*sizeof(float));
+                        memcpy(&vi[off], &vr[off], hs*sizeof(float));
+                    }
+                }
+                const std::vector<float> ri = attend_x(GGML_TYPE_F32, GGML_TYPE_F32, qi, ki, vi, {}, {}, {}, mi, hs, 1, n_head, n_kv, n_head_kv, 1);
+                for (int h = 0; h < n_head; ++h) {
+                    for (int j = 0; j < hs; ++j) {
+                        const double a = gw[((size_t) i*n_head + h)*hs + j], b = ri[(size_t) h*hs + j];
+                        num += (a - b)*(a - b);
+                        den += b*b;
+                    }
+                }
+            }
+            const double ew = sqrt(num/(den + 1e-30));
+            CHECK(ew < 2e-5, "%s K %s n_q=%d: windowed exact rows vs per-query F32 twin rel err %.3g", tn, ggml_type_name(tk), n_q, ew);
+        }
         // the last query row alone gives the same bits as in company
         if (n_q > 1 && n_stream == 1) {
             std::vector<float> q1(q.size()/n_q*1), m1(mask.end() - n_kv, mask.end());

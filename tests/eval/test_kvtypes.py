@@ -19,6 +19,15 @@ def test_specs_split_and_carry_the_calibration_switch():
         kvtypes.validate("q5_9+calib")
 
 
+def test_a_window_suffix_goes_anywhere_after_the_types():
+    for spec in ("isoquant3_0+w16+calib", "isoquant3_0+calib+w16"):
+        assert kvtypes.window(spec) == 16 and kvtypes.k_center(spec) and kvtypes.suffix(spec) == "+calib"
+        assert kvtypes.split(spec) == ("isoquant3_0", "isoquant3_0")
+    assert kvtypes.window("q8_0/isoquant3_0+w4@full=q8_0") == 4
+    assert kvtypes.layer_types("q8_0/isoquant3_0+w4@full=q8_0") == "full=q8_0"
+    assert kvtypes.window("isoquant3_0") == 0 and not kvtypes.k_center("isoquant3_0+w8")
+
+
 def test_bench_configs_from_specs():
     assert kvbench.config("isoquant3_0-unfused") == ("isoquant3_0-unfused", "isoquant3_0", True)
     assert kvbench.config("q4_0+calib") == ("q4_0+calib", "q4_0+calib", False)

@@ -426,6 +426,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     const struct ggml_tensor * k_x   = dst->src[5];
     const struct ggml_tensor * v_x   = dst->src[6];
     const int32_t            * xrows = dst->src[7] ? (const int32_t *) dst->src[7]->data : NULL;
+    const int32_t            * xuntil = dst->src[8] ? (const int32_t *) dst->src[8]->data : NULL;
+    const int32_t            * qpos   = dst->src[9] ? (const int32_t *) dst->src[9]->data : NULL;
     GGML_ASSERT(!xrows || q->type == GGML_TYPE_F32);
 
     GGML_TENSOR_LOCALS(int64_t, neq, q,   ne)
@@ -496,6 +498,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     for (int64_t ir = ir0; ir < ir1; ) {
         int T = 0;
         int64_t ik2 = 0, ik3 = 0, iv2 = 0, iv3 = 0;
+        int32_t qp = 0; // the tile's query position (one token)
         const ggml_fp16_t * mp = NULL;
         for (; T < RQ_FA_TILE && ir + T < ir1; ++T) {
             const int64_t r   = ir + T;
@@ -506,7 +509,9 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             if (T == 0) {
                 ik2 = iq2/rk2; ik3 = iq3/rk3; iv2 = iq2/rv2; iv3 = iq3/rv3;
                 mp = mpt;
-            } else if (iq2/rk2 != ik2 || iq3/rk3 != ik3 || iq2/rv2 != iv2 || iq3/rv3 != iv3 || mpt != mp) {
+                qp = qpos ? qpos[iq3*neq1 + iq1] : 0;
+            } else if (iq2/rk2 != ik2 || iq3/rk3 != ik3 || iq2/rv2 != iv2 || iq3/rv3 != iv3 || mpt != mp ||
+                       (qpos && (iq1 != row[0][0] || iq3 != row[0][2]))) {
                 break;
             }
             row[T][0] = iq1; row[T][1] = iq2; row[T][2] = iq3;
@@ -533,7 +538,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 }
                 const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
                 const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
-                const int32_t xr = xrows ? xrows[ik3*nek1 + ic] : -1;
+                const int32_t xr = xrows && (!xuntil || qp <= xuntil[ik3*nek1 + ic]) ? xrows[ik3*nek1 + ic] : -1;
                 float s[RQ_FA_TILE];
                 is_x[nu] = xr >= 0;
                 if (xr >= 0) {

@@ -20,6 +20,8 @@ struct llama_rq_params {
     int64_t kv_deferred = 0;                   // deferred prefill budget in cells: 0 off, -1 the whole cache
     int32_t n_threads   = 0;                   // the context's batch threads (the self-calibration pass uses them)
     std::string kv_layer_types;                // per-layer K/V cache types (llama.h: kv_layer_types)
+    int32_t kv_window   = 0;                   // exact recent window in positions (llama.h: kv_window)
+    uint32_t n_ubatch   = 0;                   // the context's ubatch size (the window holds a ubatch's rows too)
 };
 
 // rotaryquant.k_center.* as loaded from the GGUF (written by rq-calibrate): per layer the offset of its
@@ -34,11 +36,16 @@ struct llama_rq_k_center_data {
     std::shared_ptr<llama_rq_k_center_self> self;
 };
 
-// graph inputs of a ubatch that attends through the deferred-prefill transient; all null otherwise
+// graph inputs of a ubatch that attends through the deferred-prefill transient, or uses the recent window; null otherwise
 struct llama_rq_dfr_inputs {
     ggml_tensor * w_rows = nullptr; // I64 [n_tokens]: the transient row each token's K/V go to
     ggml_tensor * rows   = nullptr; // I32 [n]: transient rows the ubatch can see
     ggml_tensor * cells  = nullptr; // I64 [n]: their cells in the attended view
+
+    ggml_tensor * win_w     = nullptr; // I64 [n_tokens]: the window row each token's K/V go to
+    ggml_tensor * win_rows  = nullptr; // I32 [n_kv, n_stream]: each cell's window row in the attended view, -1: none
+    ggml_tensor * win_until = nullptr; // I32 [n_kv, n_stream]: the last query position the row counts for
+    ggml_tensor * win_qpos  = nullptr; // I32 [n_tokens/n_stream, n_stream]: the queries' positions
 };
 
 // what a context shares with the KV caches it created: their deferred-prefill counters, and the caches themselves

@@ -15,10 +15,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <random>
 #include <stdexcept>
+#include <tuple>
 
 bool llama_rq_arch_unhooked(llm_arch arch) {
     return arch == LLM_ARCH_DEEPSEEK32 || arch == LLM_ARCH_DEEPSEEK4 || arch == LLM_ARCH_GLM_DSA ||
@@ -305,13 +307,15 @@ std::shared_ptr<llama_kv_rq> llama_kv_rq::create(llama_kv_cache & kv, ggml_type 
         }
         rq->init_k_center(type_k);
         rq->init_deferred(type_k, type_v);
+        rq->init_window(type_v);
     }
     return rq;
 }
 
 llama_kv_rq::llama_kv_rq(llama_kv_cache & kv, const llama_rq_params & params, std::shared_ptr<llama_rq_ctx> ctx) :
     kv(kv), params(params), ctx(std::move(ctx)), stats(this->ctx->stats),
-    kc(kv.layers.size()), k_dfr(kv.layers.size(), nullptr), v_dfr(kv.layers.size(), nullptr) {
+    kc(kv.layers.size()), k_dfr(kv.layers.size(), nullptr), v_dfr(kv.layers.size(), nullptr),
+    k_win(kv.layers.size(), nullptr), v_win(kv.layers.size(), nullptr) {
     this->ctx->caches.push_back(this);
 }
 
@@ -327,10 +331,13 @@ void llama_kv_rq::memory(llama_rq_memory & m) const {
     }
     m.kv_k += kv.size_k_bytes();
     m.kv_v += kv.size_v_bytes();
-    // the K-centring tensors; not the deferred transient, which exists only while rows are used (deferred_bytes)
-    for (const auto & [c, buf] : kc_ctxs_bufs) {
-        for (ggml_tensor * t = ggml_get_first_tensor(c.get()); t; t = ggml_get_next_tensor(c.get(), t)) {
-            m.kv_other += ggml_nbytes(t);
+    // the K-centring tensors and the recent window; not the deferred transient, which exists only while rows are used
+    // (deferred_bytes)
+    for (const auto * bufs : { &kc_ctxs_bufs, &win_ctxs_bufs }) {
+        for (const auto & [c, buf] : *bufs) {
+            for (ggml_tensor * t = ggml_get_first_tensor(c.get()); t; t = ggml_get_next_tensor(c.get(), t)) {
+                m.kv_other += ggml_nbytes(t);
+            }
         }
     }
 }
@@ -769,6 +776,169 @@ void llama_kv_rq::init_deferred(ggml_type type_k, ggml_type type_v) {
             dk ? "K" : "", dk && dv ? " and " : "", dv ? "V" : "", dfr_budget, dfr_budget*dfr_row_bytes/1024.0/1024.0);
 }
 
+void llama_kv_rq::init_window(ggml_type type_v) {
+    const llama_hparams & hparams = kv.hparams;
+    if (params.kv_window <= 0 || hparams.no_alloc) {
+        return;
+    }
+    const char * why = nullptr;
+    if (!ggml_rq_type_is_iso(type_v)) {
+        why = "the V cache is not IsoQuant: only the fused IsoQuant attention reads the window";
+    } else if (params.iso_unfused) {
+        why = "the unfused path attends to dequantised K/V";
+    } else if (hparams.is_mla() || llama_rq_arch_unhooked(kv.model.arch)) {
+        why = "this architecture's attention is not hooked";
+    } else if (std::any_of(kv.layers.begin(), kv.layers.end(), [](const auto & l) {
+                   return l.k->buffer && !ggml_backend_buffer_is_host(l.k->buffer); })) {
+        why = "the KV cache is on a GPU device, whose kernels do not read the window yet";
+    }
+    if (why) {
+        LLAMA_LOG_WARN("%s: recent window = off (%s)\n", __func__, why);
+        return;
+    }
+
+    win = (uint32_t) params.kv_window;
+    // each sequence keeps rows for its last win - 1 positions between ubatches, and a ubatch's tokens all take one
+    win_budget = win*kv.n_seq_max + std::max<uint32_t>(params.n_ubatch, 1);
+
+    rq_buft_ctxs ctxs;
+    size_t row_bytes = 0;
+    for (size_t i = 0; i < kv.layers.size(); ++i) {
+        const auto & layer = kv.layers[i];
+        if (!layer.v || !ggml_rq_type_is_iso(layer.v->type)) {
+            continue; // --kv-layer-types: this layer's V is not IsoQuant
+        }
+        ggml_context * ctx = rq_ctx_for(ctxs, ggml_backend_buffer_get_type(layer.k->buffer), 2*kv.layers.size(), "the recent window");
+        k_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.k->ne[0], win_budget + 1);
+        v_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.v->ne[0], win_budget + 1);
+        ggml_format_name(k_win[i], "cache_win_k_l%d", layer.il);
+        ggml_format_name(v_win[i], "cache_win_v_l%d", layer.il);
+        row_bytes += ggml_row_size(GGML_TYPE_F16, layer.k->ne[0]) + ggml_row_size(GGML_TYPE_F16, layer.v->ne[0]);
+    }
+    for (auto & [buft, ctx] : ctxs) {
+        ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
+        if (!buf) {
+            throw std::runtime_error("failed to allocate the recent window");
+        }
+        ggml_backend_buffer_clear(buf.get(), 0);
+        win_ctxs_bufs.emplace_back(std::move(ctx), std::move(buf));
+    }
+
+    win_row_of_cell.assign((size_t) kv.get_size()*kv.n_stream, -1);
+    win_cell_of_row.assign(win_budget, -1);
+    win_pos_of_row.assign(win_budget, -1);
+    win_free.resize(win_budget);
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        win_free[r] = win_budget - 1 - r;
+    }
+    LLAMA_LOG_INFO("%s: recent window = %u positions (K and V in F16 for the last %u positions of each of %u sequences "
+            "and a ubatch's tokens: %u rows, %.2f MiB)\n", __func__, win, win, kv.n_seq_max, win_budget,
+            (win_budget + 1)*row_bytes/1024.0/1024.0);
+}
+
+void llama_kv_rq::win_release(uint32_t row) {
+    const int64_t c = win_cell_of_row[row];
+    GGML_ASSERT(c >= 0);
+    win_row_of_cell[c]   = -1;
+    win_cell_of_row[row] = -1;
+    win_free.push_back(row);
+}
+
+void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub) {
+    win_w.clear();
+    win_rows.clear();
+    win_until.clear();
+    win_qpos.clear();
+    if (win == 0) {
+        return;
+    }
+    const uint32_t kv_size = kv.get_size();
+    const uint32_t n_seq   = kv.n_seq_max;
+
+    // the first position each sequence of the ubatch queries at
+    std::vector<llama_pos> first(n_seq, std::numeric_limits<llama_pos>::max());
+    for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+        for (int32_t j = 0; j < ub.n_seq_id[i]; ++j) {
+            first[ub.seq_id[i][j]] = std::min(first[ub.seq_id[i][j]], ub.pos[i]);
+        }
+    }
+    // rows of the cells this ubatch overwrites, of cells emptied or moved, and rows no query can use any more (every
+    // sequence of the cell has moved past the window: its next query position is beyond until = pos + win - 1)
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
+            const int64_t c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            if (win_row_of_cell[c] >= 0) {
+                win_release(win_row_of_cell[c]);
+            }
+        }
+    }
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        const int64_t c = win_cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const auto & cells = kv.v_cells[c/kv_size];
+        const uint32_t idx = c % kv_size;
+        bool keep = !cells.is_empty(idx) && cells.pos_get(idx) == win_pos_of_row[r];
+        if (keep) {
+            keep = false;
+            for (llama_seq_id s = 0; s < (llama_seq_id) n_seq && !keep; ++s) {
+                if (cells.seq_has(idx, s)) {
+                    const llama_pos next = first[s] != std::numeric_limits<llama_pos>::max() ? first[s] : cells.seq_pos_max(s) + 1;
+                    keep = win_pos_of_row[r] + (llama_pos) win > next;
+                }
+            }
+        }
+        if (!keep) {
+            win_release(r);
+        }
+    }
+
+    // a row for each token of the ubatch (its own queries may need it)
+    win_w.assign(ub.n_tokens, win_budget); // the spare row
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
+            const uint32_t i = s*sinfo.size() + ii;
+            const int64_t  c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            if (win_free.empty()) {
+                if (!win_full_logged) {
+                    LLAMA_LOG_WARN("%s: recent window: no free row (%u rows); some keys are read packed\n", __func__, win_budget);
+                    win_full_logged = true;
+                }
+                continue;
+            }
+            const int32_t r = win_free.back();
+            win_free.pop_back();
+            win_row_of_cell[c] = r;
+            win_cell_of_row[r] = c;
+            win_pos_of_row[r]  = ub.pos[i];
+            win_w[i] = r;
+        }
+    }
+
+    // the attended view: cells [0, n_kv) of streams s0..s1
+    const uint32_t n_kv = kv.get_n_kv(sinfo);
+    win_ns = sinfo.s1 - sinfo.s0 + 1;
+    GGML_ASSERT(ub.n_tokens % win_ns == 0);
+    win_rows.assign((size_t) n_kv*win_ns, -1);
+    win_until.assign((size_t) n_kv*win_ns, std::numeric_limits<int32_t>::min());
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        const int64_t c = win_cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const uint32_t strm = c/kv_size;
+        const uint32_t idx  = c % kv_size;
+        if (strm < sinfo.s0 || strm > sinfo.s1 || idx >= n_kv) {
+            continue;
+        }
+        const size_t j = (size_t) (strm - sinfo.s0)*n_kv + idx;
+        win_rows[j]  = (int32_t) r;
+        win_until[j] = win_pos_of_row[r] + (int32_t) win - 1;
+    }
+    win_qpos.assign(ub.pos, ub.pos + ub.n_tokens);
+}
+
 void llama_kv_rq::release(uint32_t row) {
     const int64_t c = dfr_cell_of_row[row];
     GGML_ASSERT(c >= 0);
@@ -811,10 +981,16 @@ void llama_kv_rq::release_seq(llama_seq_id seq_id) {
 }
 
 void llama_kv_rq::drop_stale() {
+    const uint32_t kv_size = kv.get_size();
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        const int64_t c = win_cell_of_row[r];
+        if (c >= 0 && (kv.v_cells[c/kv_size].is_empty(c % kv_size) || kv.v_cells[c/kv_size].pos_get(c % kv_size) != win_pos_of_row[r])) {
+            win_release(r);
+        }
+    }
     if (dfr_used == 0) {
         return;
     }
-    const uint32_t kv_size = kv.get_size();
     for (uint32_t r = 0; r < dfr_budget; ++r) {
         const int64_t c = dfr_cell_of_row[r];
         if (c < 0) {
@@ -829,6 +1005,11 @@ void llama_kv_rq::drop_stale() {
 }
 
 void llama_kv_rq::drop_all() {
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        if (win_cell_of_row[r] >= 0) {
+            win_release(r);
+        }
+    }
     for (uint32_t r = 0; r < dfr_budget && dfr_used > 0; ++r) {
         if (dfr_cell_of_row[r] >= 0) {
             release(r);
@@ -848,6 +1029,7 @@ void llama_kv_rq::batch(const llama_batch_allocr & balloc) {
 }
 
 bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub) {
+    win_ubatch(sinfo, ub);
     dfr_w.clear();
     dfr_rows.clear();
     dfr_cells.clear();
@@ -935,6 +1117,22 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
 }
 
 void llama_kv_rq::build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) const {
+    if (!win_w.empty()) {
+        const int64_t ns = win_ns, n_kv = (int64_t) win_rows.size()/ns;
+        inp.win_w     = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, win_w.size());
+        inp.win_rows  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, ns);
+        inp.win_until = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_kv, ns);
+        inp.win_qpos  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, (int64_t) win_qpos.size()/ns, ns);
+        const std::pair<ggml_tensor *, const char *> ins[] = { {inp.win_w, "attn_inp_win_w"}, {inp.win_rows, "attn_inp_win_rows"},
+            {inp.win_until, "attn_inp_win_until"}, {inp.win_qpos, "attn_inp_win_qpos"} };
+        for (const auto & [t, name] : ins) {
+            ggml_set_input(t);
+            ggml_set_name(t, name);
+        }
+    }
+    if (dfr_w.empty()) {
+        return;
+    }
     inp.w_rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, dfr_w.size());
     ggml_set_input(inp.w_rows);
     ggml_set_name(inp.w_rows, "attn_inp_dfr_w");
@@ -950,13 +1148,42 @@ void llama_kv_rq::build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) con
 
 void llama_kv_rq::set_input(const llama_rq_dfr_inputs & inp) const {
     const std::pair<ggml_tensor *, const void *> ins[] = {
-        { inp.w_rows, dfr_w.data() }, { inp.rows, dfr_rows.data() }, { inp.cells, dfr_cells.data() } };
+        { inp.w_rows, dfr_w.data() }, { inp.rows, dfr_rows.data() }, { inp.cells, dfr_cells.data() },
+        { inp.win_w, win_w.data() }, { inp.win_rows, win_rows.data() }, { inp.win_until, win_until.data() },
+        { inp.win_qpos, win_qpos.data() } };
     for (const auto & [t, src] : ins) {
         if (t && t->buffer) {
             GGML_ASSERT(ggml_backend_buffer_is_host(t->buffer));
             memcpy(t->data, src, ggml_nbytes(t));
         }
     }
+}
+
+bool llama_kv_rq::window_fits(const llama_rq_dfr_inputs & inp) const {
+    if (win_w.empty()) {
+        return inp.win_w == nullptr;
+    }
+    return inp.win_w && ggml_nelements(inp.win_w) == (int64_t) win_w.size() && inp.win_rows->ne[1] == (int64_t) win_ns &&
+           ggml_nelements(inp.win_rows) == (int64_t) win_rows.size() && ggml_nelements(inp.win_qpos) == (int64_t) win_qpos.size();
+}
+
+std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context * ctx, ggml_cgraph * gf,
+        const llama_rq_dfr_inputs & inp, ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il) const {
+    const int32_t ikv = kv.map_layer_ids.at(il);
+    if (!inp.win_w || !k_win[ikv] || !k_cur || !v_cur) {
+        return { nullptr, nullptr };
+    }
+    const auto write = [&](ggml_tensor * rows, ggml_tensor * cur) {
+        cur = ggml_is_contiguous(cur) ? cur : ggml_cont(ctx, cur);
+        ggml_tensor * w = ggml_set_rows(ctx, rows, ggml_reshape_2d(ctx, cur, rows->ne[0], ggml_nelements(cur)/rows->ne[0]), inp.win_w);
+        ggml_build_forward_expand(gf, w);
+        return w;
+    };
+    // the attention's inputs join the graph here too: it may already hold the attention when they are attached
+    for (ggml_tensor * t : { inp.win_rows, inp.win_until, inp.win_qpos }) {
+        ggml_build_forward_expand(gf, t);
+    }
+    return { write(k_win[ikv], k_cur), write(v_win[ikv], v_cur) };
 }
 
 void llama_kv_rq::build_attn(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
@@ -1034,6 +1261,25 @@ llama_rq_attn::llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_c
     }
 }
 
+void llama_rq_attn::window(ggml_tensor * k_cur, ggml_tensor * v_cur) {
+    if (inp.win_w && !g.cparams.training) {
+        std::tie(k_win, v_win) = mctx->get_rq()->build_window(g.ctx0, g.gf, inp, k_cur, v_cur, il);
+    }
+}
+
+void llama_rq_attn::window_attend() const {
+    if (!k_win) {
+        return;
+    }
+    // the layer's flash attention, as build_attn_mha recorded it; a prompt that attends through the deferred
+    // transient (F16 V) or the unfused path only wrote its rows
+    const auto & fused = g.res->get_fused_nodes();
+    ggml_tensor * fa = !fused.empty() && fused.back().op == LLM_FUSED_OP_FLASH_ATTN && fused.back().il == il ? fused.back().tensor : nullptr;
+    if (fa && ggml_rq_type_is_iso(fa->src[2]->type)) {
+        ggml_rq_flash_attn_ext_set_exact(fa, k_win, v_win, inp.win_rows, inp.win_until, inp.win_qpos);
+    }
+}
+
 void llama_rq_attn::kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, ggml_tensor * v_rot) const {
     if (dfr) {
         mctx->get_rq()->build_attn(g.ctx0, g.gf, inp, k_raw, v_raw, k, v, k_rot, v_rot, il, mctx->get_n_kv());
@@ -1041,19 +1287,19 @@ void llama_rq_attn::kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, 
 }
 
 void llama_rq_build_input(ggml_context * ctx, const llama_kv_cache_context * mctx, llama_rq_dfr_inputs & inp) {
-    if (mctx->rq_dfr) {
+    if (mctx->rq_dfr || mctx->get_rq()->window_active()) {
         mctx->get_rq()->build_input(ctx, inp);
     }
 }
 
 void llama_rq_set_input(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp) {
-    if (inp.w_rows) {
+    if (inp.w_rows || inp.win_w) {
         mctx->get_rq()->set_input(inp);
     }
 }
 
 bool llama_rq_can_reuse(const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp) {
-    return !inp.w_rows && !mctx->rq_dfr;
+    return !inp.w_rows && !mctx->rq_dfr && mctx->get_rq()->window_fits(inp);
 }
 
 llama_rq_kv_stats llama_rq_get_kv_stats(const llama_context * ctx) {

@@ -4,8 +4,10 @@
 //  - K centring / Q-K rebalancing: with the model's rotaryquant.k_center calibration (rq-calibrate) keys are cached
 //    as (k - mu)/lam and queries multiplied by lam; softmax(q.k) is unchanged (docs/k-center.md);
 //  - deferred prefill: while a sequence processes its prompt, its K/V rows are also kept in an F16 transient and its
-//    prompt attends to those exact rows; its first single-token step releases them (docs/deferred-prefill.md).
-// Both are settings of a context (llama_context_params: k_center, kv_deferred). Upstream files reach this unit
+//    prompt attends to those exact rows; its first single-token step releases them (docs/deferred-prefill.md);
+//  - the recent window: with an IsoQuant V cache, F16 copies (in the cache's domain) of each sequence's last kv_window
+//    positions, and of the ubatch's own tokens, stand in for their packed K/V for the queries within kv_window of them.
+// All are settings of a context (llama_context_params: k_center, kv_deferred, kv_window). Upstream files reach this unit
 // through a few hook lines; llama_kv_cache and llama_batch_allocr name it a friend.
 
 #include "llama-rq-types.h"
@@ -105,6 +107,14 @@ public:
 
     void build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) const;
     void set_input(const llama_rq_dfr_inputs & inp) const;
+    // the window inputs of a graph built for another ubatch fit this one
+    bool window_fits(const llama_rq_dfr_inputs & inp) const;
+    bool window_active() const { return !win_w.empty(); }
+
+    // writes the ubatch's k/v (as the cache gets them) into the window rows of layer il: the rows' tensors after the
+    // write (k, v), null when the layer has no window
+    std::pair<ggml_tensor *, ggml_tensor *> build_window(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
+            ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il) const;
 
     // writes the ubatch's raw (uncentred, unrotated) k_raw/v_raw into the transient and replaces the views k/v of the
     // cache by F16 tensors in the model's basis with the transient rows patched in; q must then be raw too
@@ -141,8 +151,29 @@ private:
     std::vector<int32_t> dfr_rows;  // transient rows visible to the ubatch
     std::vector<int64_t> dfr_cells; // ... and their cells in the attended view
 
+    // the recent window (kv_window): rows as in the transient, kept while a sequence may still attend within win of them
+    uint32_t win        = 0; // positions, 0: off
+    uint32_t win_budget = 0;
+    std::vector<ggml_tensor *> k_win; // per cache layer: F16 [n_embd_gqa, win_budget + 1] (the last row: the spare)
+    std::vector<ggml_tensor *> v_win;
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> win_ctxs_bufs;
+    std::vector<int32_t>   win_row_of_cell;
+    std::vector<int64_t>   win_cell_of_row;
+    std::vector<llama_pos> win_pos_of_row;
+    std::vector<int32_t>   win_free;
+    bool                   win_full_logged = false;
+    uint32_t               win_ns = 1; // streams of the attended view
+    // the current ubatch's window inputs (ubatch())
+    std::vector<int64_t> win_w;
+    std::vector<int32_t> win_rows;
+    std::vector<int32_t> win_until;
+    std::vector<int32_t> win_qpos;
+
     void init_k_center(ggml_type type_k);
     void init_deferred(ggml_type type_k, ggml_type type_v);
+    void init_window(ggml_type type_v);
+    void win_release(uint32_t row);
+    void win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub);
     void release(uint32_t row);
     void add_bytes(int64_t n);
 };
@@ -158,6 +189,11 @@ struct llama_rq_attn {
     void raw_q(ggml_tensor *& q_cur) const { if (dfr) { q_cur = q_raw; } }
     // after the cache views are taken: replaces them when attending through the transient
     void kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, ggml_tensor * v_rot) const;
+    // before build_attn_mha, with k_cur/v_cur as the cache gets them: the recent window's rows are written (the graph
+    // must hold the writes before the attention that reads them); after it, window_attend() hands them to the
+    // layer's flash attention when it reads IsoQuant V
+    void window(ggml_tensor * k_cur, ggml_tensor * v_cur);
+    void window_attend() const;
 
     bool dfr = false;
 
@@ -168,6 +204,8 @@ private:
     ggml_tensor * q_raw;
     ggml_tensor * k_raw;
     ggml_tensor * v_raw;
+    ggml_tensor * k_win = nullptr; // the window rows after this ubatch's write (window())
+    ggml_tensor * v_win = nullptr;
     int il;
 };
 
