@@ -151,14 +151,23 @@ def kv_rows() -> list[tuple[str, ...]]:
     lost = int(needles("niah-kc", "isoquant3_0+calib").split("/")[0]) < int(needles("niah", f16).split("/")[0])
     alloc_bits = next(r["bits_per_value"] for r in load("kv-quality-alloc-gemma3")["rows"] if r["label"] == ALLOC)
     alloc_8k = needles("niah-8k-gemma3-alloc", ALLOC + " deferred")
+    win_bits = next(r["bits_per_value"] for r in load("kv-quality-window-gemma3")["rows"] if r["label"] == "isoquant3_0+w16+calib")
+    win_g = kld("kv-quality-window-gemma3", "isoquant3_0+w16+calib")
+    win_dec = decode_kld("decode-window-gemma3", "isoquant3_0+w16+calib")
     return [
         ("KV `f16`", f"{bits(f16):g}", f"0; needles {needles('niah', f16)}", tg(f16), "the reference"),
         ("KV `-ctk isoquant4_0 -ctv isoquant3_0`, K calibrated", f"{iso43:g}",
          kld_pair(("kv-quality-kc-gemma3-iso4", "isoquant4_0/isoquant3_0+calib"),
                   ("kv-quality-kc-qwen-2k-iso4", "isoquant4_0/isoquant3_0+calib"))
          + f"; needles {needles('niah-kc', 'isoquant4_0/isoquant3_0+calib')}",
-         "–", f"**recommended**: {16 / iso43:.1f}× smaller than f16; with `--kv-deferred`, needles "
+         "–", f"{16 / iso43:.1f}× smaller than f16; with `--kv-deferred`, needles "
          f"{needles('niah-8k-gemma3-deferred', 'isoquant4_0/isoquant3_0+self deferred')} (uncalibrated file)"),
+        ("KV `isoquant3_0` K and V, `--kv-window 16`, K calibrated (Qwen: self-calibrated)", f"{win_bits:.3g}",
+         kld_pair(("kv-quality-window-gemma3", "isoquant3_0+w16+calib"), ("kv-quality-window-qwen", "isoquant3_0+w16+self")),
+         "–⁴",
+         holds(win_dec < 0.05 and win_g < g["mix"],
+               f"**recommended**: the last 16 positions of each query exact in F16; decode KLD after 8K {sig3(win_dec)} "
+               f"(isoquant3_0: {sig3(decode_kld('decode-window-gemma3', 'isoquant3_0+calib'))})")),
         ("KV `--kv-layer-types model` after `rq-calibrate --kv-bits 3.5`, with `--kv-deferred`", f"{alloc_bits:.3f}",
          f"{sig3(kld('kv-quality-alloc-gemma3', ALLOC))} / –; needles {alloc_8k}, at 16K "
          f"{needles('niah-16k-gemma3-alloc', ALLOC + ' deferred', ctx=16384)}", "–",
@@ -237,6 +246,7 @@ def table() -> str:
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
         "² another run (kv-bench-deferred). ³ one forward pass over 1024 pseudo-random tokens (docs/k-center.md): "
         "2–6 s on Gemma3, ~20–28 s on Qwen2.5-1.5B with 2 cores; rq-calibrate stores statistics in the file instead. "
+        "⁴ speed not measured yet; bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T). "
         "–: not measured beside f16.",
     ]
     return "\n".join([BEGIN, *head, *body, *foot, END])
