@@ -241,12 +241,15 @@ def table() -> str:
         "|---|---:|---|---|---|",
     ]
     body = ["| " + " | ".join(r) + " |" for r in kv_rows() + weight_rows()]
+    win_tg = ratio(bench("kv-bench-window", "isoquant3_0+w16+calib-deferred", "tg_tps")
+                   / bench("kv-bench-window", "isoquant3_0+calib-deferred", "tg_tps"))
     foot = [
         "",
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
         "² another run (kv-bench-deferred). ³ one forward pass over 1024 pseudo-random tokens (docs/k-center.md): "
         "2–6 s on Gemma3, ~20–28 s on Qwen2.5-1.5B with 2 cores; rq-calibrate stores statistics in the file instead. "
-        "⁴ speed not measured yet; bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T). "
+        f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
+        "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T). "
         "–: not measured beside f16.",
     ]
     return "\n".join([BEGIN, *head, *body, *foot, END])
