@@ -776,6 +776,30 @@ void llama_kv_rq::init_deferred(ggml_type type_k, ggml_type type_v) {
             dk ? "K" : "", dk && dv ? " and " : "", dv ? "V" : "", dfr_budget, dfr_budget*dfr_row_bytes/1024.0/1024.0);
 }
 
+bool llama_kv_rq::cell_holds(int64_t c, llama_pos pos) const {
+    const auto & cells = kv.v_cells[c/kv.get_size()];
+    const uint32_t idx = c % kv.get_size();
+    return !cells.is_empty(idx) && cells.pos_get(idx) == pos;
+}
+
+// the rows of a pool (cell_of_row: strm*kv_size + idx, -1 free) whose cells the ubatch attends to (cells [0, n_kv) of
+// streams s0..s1): f(row, the cell's index in the attended view)
+template <typename F>
+static void rq_rows_in_view(const std::vector<int64_t> & cell_of_row, uint32_t kv_size,
+                            const llama_kv_cache::slot_info & sinfo, uint32_t n_kv, F && f) {
+    for (uint32_t r = 0; r < cell_of_row.size(); ++r) {
+        const int64_t c = cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const uint32_t strm = c/kv_size;
+        const uint32_t idx  = c % kv_size;
+        if (strm >= sinfo.s0 && strm <= sinfo.s1 && idx < n_kv) {
+            f(r, (int64_t) (strm - sinfo.s0)*n_kv + idx);
+        }
+    }
+}
+
 void llama_kv_rq::init_window(ggml_type type_v) {
     const llama_hparams & hparams = kv.hparams;
     if (params.kv_window <= 0 || hparams.no_alloc) {
@@ -879,7 +903,7 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
         }
         const auto & cells = kv.v_cells[c/kv_size];
         const uint32_t idx = c % kv_size;
-        bool keep = !cells.is_empty(idx) && cells.pos_get(idx) == win_pos_of_row[r];
+        bool keep = cell_holds(c, win_pos_of_row[r]);
         if (keep) {
             keep = false;
             for (llama_seq_id s = 0; s < (llama_seq_id) n_seq && !keep; ++s) {
@@ -922,20 +946,10 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
     GGML_ASSERT(ub.n_tokens % win_ns == 0);
     win_rows.assign((size_t) n_kv*win_ns, -1);
     win_until.assign((size_t) n_kv*win_ns, std::numeric_limits<int32_t>::min());
-    for (uint32_t r = 0; r < win_budget; ++r) {
-        const int64_t c = win_cell_of_row[r];
-        if (c < 0) {
-            continue;
-        }
-        const uint32_t strm = c/kv_size;
-        const uint32_t idx  = c % kv_size;
-        if (strm < sinfo.s0 || strm > sinfo.s1 || idx >= n_kv) {
-            continue;
-        }
-        const size_t j = (size_t) (strm - sinfo.s0)*n_kv + idx;
+    rq_rows_in_view(win_cell_of_row, kv_size, sinfo, n_kv, [&](uint32_t r, int64_t j) {
         win_rows[j]  = (int32_t) r;
         win_until[j] = win_pos_of_row[r] + (int32_t) win - 1;
-    }
+    });
     win_qpos.assign(ub.pos, ub.pos + ub.n_tokens);
 }
 
@@ -981,10 +995,8 @@ void llama_kv_rq::release_seq(llama_seq_id seq_id) {
 }
 
 void llama_kv_rq::drop_stale() {
-    const uint32_t kv_size = kv.get_size();
     for (uint32_t r = 0; r < win_budget; ++r) {
-        const int64_t c = win_cell_of_row[r];
-        if (c >= 0 && (kv.v_cells[c/kv_size].is_empty(c % kv_size) || kv.v_cells[c/kv_size].pos_get(c % kv_size) != win_pos_of_row[r])) {
+        if (win_cell_of_row[r] >= 0 && !cell_holds(win_cell_of_row[r], win_pos_of_row[r])) {
             win_release(r);
         }
     }
@@ -992,13 +1004,7 @@ void llama_kv_rq::drop_stale() {
         return;
     }
     for (uint32_t r = 0; r < dfr_budget; ++r) {
-        const int64_t c = dfr_cell_of_row[r];
-        if (c < 0) {
-            continue;
-        }
-        const auto & cells = kv.v_cells[c/kv_size];
-        const uint32_t idx = c % kv_size;
-        if (cells.is_empty(idx) || cells.pos_get(idx) != dfr_pos_of_row[r]) {
+        if (dfr_cell_of_row[r] >= 0 && !cell_holds(dfr_cell_of_row[r], dfr_pos_of_row[r])) {
             release(r);
         }
     }
@@ -1098,20 +1104,10 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
         return false;
     }
 
-    const uint32_t n_kv = kv.get_n_kv(sinfo);
-    for (uint32_t r = 0; r < dfr_budget; ++r) {
-        const int64_t c = dfr_cell_of_row[r];
-        if (c < 0) {
-            continue;
-        }
-        const uint32_t strm = c/kv_size;
-        const uint32_t idx  = c % kv_size;
-        if (strm < sinfo.s0 || strm > sinfo.s1 || idx >= n_kv) {
-            continue;
-        }
+    rq_rows_in_view(dfr_cell_of_row, kv_size, sinfo, kv.get_n_kv(sinfo), [&](uint32_t r, int64_t j) {
         dfr_rows.push_back(r);
-        dfr_cells.push_back((int64_t) (strm - sinfo.s0)*n_kv + idx);
-    }
+        dfr_cells.push_back(j);
+    });
 
     return true;
 }

@@ -172,6 +172,8 @@ private:
     void init_k_center(ggml_type type_k);
     void init_deferred(ggml_type type_k, ggml_type type_v);
     void init_window(ggml_type type_v);
+    // cell c (strm*kv_size + idx) still holds position pos: not emptied, not moved by a shift (a row of it is valid)
+    bool cell_holds(int64_t c, llama_pos pos) const;
     void win_release(uint32_t row);
     void win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub);
     void release(uint32_t row);
