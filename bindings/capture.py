@@ -182,7 +182,7 @@ class EvalCallback:
 
 def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *, type_k: int, type_v: int,
             iso_unfused: bool = False, k_center: str = "auto", n_ctx: int = 512,
-            threads: int = 2) -> dict[str, np.ndarray]:
+            threads: int = 2, kv_window: int | None = None) -> dict[str, np.ndarray]:
     """Run the prompt (text, or token ids decoded as one batch) once; return the contiguous F32 tensors whose
     names start with one of ``names`` (flat, the first of each name)."""
     prefixes = tuple(names)
@@ -206,7 +206,7 @@ def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *,
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cb.install(cp)
-        _ctx.apply(cp, unfused=iso_unfused, k_center=k_center)
+        _ctx.apply(cp, unfused=iso_unfused, k_center=k_center, window=kv_window)
         ctx = L.llama_init_from_model(model_p, cp)
         if not ctx:
             raise RuntimeError("llama_init_from_model failed (see the log above)")

@@ -1,7 +1,7 @@
 """RotaryQuant settings and counters of one llama.cpp context (llama_context_params, llama_rq_get_kv_stats).
 
-The unfused path, K centring and deferred prefill are fields of ``llama_context_params``: pass them to
-``llama_cpp.Llama(..., iso_unfused=, k_center=, kv_deferred=)`` (or set them on a params struct with
+The unfused path, K centring, deferred prefill and the recent window are fields of ``llama_context_params``: pass
+them to ``llama_cpp.Llama(..., iso_unfused=, k_center=, kv_deferred=, kv_window=)`` (or set them on a params struct with
 ``apply``); two contexts in one process can differ. Nothing here is process-wide.
 """
 
@@ -13,16 +13,21 @@ K_CENTER_MODES = ("off", "auto", "force")  # enum llama_k_center, in order
 KV_STATS = ("kv_deferred_cells", "kv_deferred_conversions", "kv_deferred_bytes", "kv_deferred_peak_bytes")
 
 
-def llama_kwargs(*, unfused: bool = False, k_center: str = "auto", deferred: bool | int = False) -> dict[str, Any]:
+def llama_kwargs(*, unfused: bool = False, k_center: str = "auto", deferred: bool | int = False,
+                 window: int | None = None) -> dict[str, Any]:
     """``Llama(...)`` keyword arguments for these settings (k_center: off, auto or force; deferred: a budget in
-    cells, True for the whole cache, False for off)."""
+    cells, True for the whole cache, False for off; window: positions, 0 for none, None for llama.cpp's default)."""
     if k_center not in K_CENTER_MODES:
         raise ValueError(f"k_center={k_center!r} is not one of {', '.join(K_CENTER_MODES)}")
     kc = {"off": False, "auto": None, "force": "force"}[k_center]
-    return {"iso_unfused": bool(unfused), "k_center": kc, "kv_deferred": deferred}
+    kw: dict[str, Any] = {"iso_unfused": bool(unfused), "k_center": kc, "kv_deferred": deferred}
+    if window is not None:
+        kw["kv_window"] = int(window)
+    return kw
 
 
-def apply(cparams: Any, *, unfused: bool = False, k_center: str = "auto", deferred: bool | int = False) -> None:
+def apply(cparams: Any, *, unfused: bool = False, k_center: str = "auto", deferred: bool | int = False,
+          window: int | None = None) -> None:
     """Set the fields on a ``llama_cpp.llama_context_params`` (for code that builds contexts by hand)."""
     if k_center not in K_CENTER_MODES:
         raise ValueError(f"k_center={k_center!r} is not one of {', '.join(K_CENTER_MODES)}")
@@ -32,6 +37,9 @@ def apply(cparams: Any, *, unfused: bool = False, k_center: str = "auto", deferr
     cparams.iso_unfused = bool(unfused)
     cparams.k_center = K_CENTER_MODES.index(k_center)
     cparams.kv_deferred = budget
+    if window is not None and not 0 <= int(window) <= 4096:
+        raise ValueError(f"window={window!r}: give 0 (none) to 4096 positions, or None (the default)")
+    cparams.kv_window = -1 if window is None else int(window)
 
 
 def kv_stats(llm_or_ctx: Any) -> dict[str, int]:

@@ -85,8 +85,7 @@ def command(model: Path, text_file: Path, *, ctx: int = 512, chunks: int = 20, c
         cmd += ["--no-k-center"]
     if kvtypes.layer_types(cache_type):
         cmd += ["--kv-layer-types", kvtypes.layer_types(cache_type)]
-    if kvtypes.window(cache_type):
-        cmd += ["--kv-window", str(kvtypes.window(cache_type))]
+    cmd += ["--kv-window", str(kvtypes.window(cache_type))]  # the spec's, 0 included: not the runtime's default
     if batch:
         cmd += ["-b", str(batch)]
     if kld_base is not None:

@@ -170,8 +170,7 @@ def server(model: Path, *, cache: str = "isoquant3_0", parallel: int = 8, ctx_pe
         cmd.append("--no-k-center")
     if kvtypes.layer_types(cache):
         cmd += ["--kv-layer-types", kvtypes.layer_types(cache)]
-    if kvtypes.window(cache):
-        cmd += ["--kv-window", str(kvtypes.window(cache))]
+    cmd += ["--kv-window", str(kvtypes.window(cache))]  # the spec's, 0 included: not the runtime's default
     with launch(cmd, env=env, start_timeout=start_timeout) as (base, pid, log):
         yield Server(base, pid, log)
 

@@ -23,7 +23,8 @@ _WINDOW = re.compile(r"\+w(\d+)")
 
 
 def window(spec: str) -> int:
-    """The recent window of a spec in positions (llama.cpp's kv_window; 0: none)."""
+    """The recent window of a spec in positions (llama.cpp's kv_window; 0: none). Callers pass it even when 0: a spec
+    names what runs, and without "+wN" that is no window, whatever the runtime's default."""
     m = _WINDOW.search(spec)
     return int(m.group(1)) if m else 0
 

@@ -221,8 +221,8 @@ class NoAllocModel:
         cp.n_threads = cp.n_threads_batch = 1
         cp.n_outputs_max = n_outputs or n_seq
         # K centring is a setting of the context (llama_context_params.k_center): "+calib" specs use the
-        # model's calibration, the others run without it
-        bindings.apply(cp, k_center="auto" if kvtypes.k_center(spec) else "off")
+        # model's calibration, the others run without it; the recent window is the spec's ("+wN"; none without)
+        bindings.apply(cp, k_center="auto" if kvtypes.k_center(spec) else "off", window=kvtypes.window(spec))
         n0 = len(self.lines)
         ctx = L.llama_init_from_model(self._model, cp)
         if not ctx:

@@ -62,6 +62,8 @@ def commands(plan: Plan, h: Header) -> None:
            "-ctk", k, "-ctv", v]
     if has_calib and not calib:
         srv.append("--no-k-center")
+    if kvtypes.window(c.kv) or any(t.startswith("isoquant") for t in (k, v)):
+        srv += ["--kv-window", str(kvtypes.window(c.kv))]  # the planned one: llama.cpp's default is 16 for IsoQuant V
     if plan.device == "cpu":
         srv += ["--cache-ram", str(head)]
     if plan.deferred and any(t != "f16" for t in (k, v)):

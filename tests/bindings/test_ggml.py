@@ -97,13 +97,17 @@ def test_context_settings_are_fields_of_the_context_params():
     import llama_cpp
 
     cp = llama_cpp.llama_context_default_params()
-    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (False, llama_cpp.LLAMA_K_CENTER_AUTO, 0)
-    bindings.apply(cp, unfused=True, k_center="force", deferred=4096)
-    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (True, llama_cpp.LLAMA_K_CENTER_FORCE, 4096)
+    # the recent window's default is -1: 16 positions where the cache can take it (llama-rq-types.h)
+    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred, cp.kv_window) == (False, llama_cpp.LLAMA_K_CENTER_AUTO, 0, -1)
+    bindings.apply(cp, unfused=True, k_center="force", deferred=4096, window=0)
+    assert (cp.iso_unfused, cp.k_center, cp.kv_deferred, cp.kv_window) == (True, llama_cpp.LLAMA_K_CENTER_FORCE, 4096, 0)
     bindings.apply(cp, deferred=True)
     assert (cp.iso_unfused, cp.k_center, cp.kv_deferred) == (False, llama_cpp.LLAMA_K_CENTER_AUTO, -1)
+    assert cp.kv_window == -1
     with pytest.raises(ValueError, match="at least 2 cells"):
         bindings.apply(cp, deferred=1)
+    with pytest.raises(ValueError, match="4096 positions"):
+        bindings.apply(cp, window=5000)
     with pytest.raises(ValueError, match="k_center"):
         bindings.llama_kwargs(k_center="on")
     assert bindings.llama_kwargs(k_center="off", deferred=True) == {"iso_unfused": False, "k_center": False,

@@ -13,6 +13,10 @@
 struct ggml_tensor;
 class  llama_kv_rq;
 
+// the recent window a context gets when it names none (kv_window -1) and its cache can take one: 16 positions keep
+// 2-6x of a 3-bit K's attention error for 0.125 bits/value at 2K (docs/NOTES.md, issue 24)
+#define LLAMA_RQ_KV_WINDOW_DEFAULT 16
+
 // the RotaryQuant fields of llama_context_params, fixed for the life of a context
 struct llama_rq_params {
     bool    iso_unfused = false;               // IsoQuant K/V dequantised to F16 before attention
@@ -20,7 +24,7 @@ struct llama_rq_params {
     int64_t kv_deferred = 0;                   // deferred prefill budget in cells: 0 off, -1 the whole cache
     int32_t n_threads   = 0;                   // the context's batch threads (the self-calibration pass uses them)
     std::string kv_layer_types;                // per-layer K/V cache types (llama.h: kv_layer_types)
-    int32_t kv_window   = 0;                   // exact recent window in positions (llama.h: kv_window)
+    int32_t kv_window   = -1;                  // exact recent window in positions, -1 the default (llama.h: kv_window)
     uint32_t n_ubatch   = 0;                   // the context's ubatch size (the window holds a ubatch's rows too)
 };
 

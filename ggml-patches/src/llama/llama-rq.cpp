@@ -4,6 +4,7 @@
 #include "llama-context.h"
 #include "llama-graph.h"
 #include "llama-impl.h"
+#include "llama-io.h"
 #include "llama-model.h"
 
 #include "ggml-backend.h"
@@ -802,7 +803,8 @@ static void rq_rows_in_view(const std::vector<int64_t> & cell_of_row, uint32_t k
 
 void llama_kv_rq::init_window(ggml_type type_v) {
     const llama_hparams & hparams = kv.hparams;
-    if (params.kv_window <= 0 || hparams.no_alloc) {
+    const bool dflt = params.kv_window < 0; // not asked for: on where it can be, quietly off elsewhere
+    if (params.kv_window == 0) {
         return;
     }
     const char * why = nullptr;
@@ -817,13 +819,20 @@ void llama_kv_rq::init_window(ggml_type type_v) {
         why = "the KV cache is on a GPU device, whose kernels do not read the window yet";
     }
     if (why) {
-        LLAMA_LOG_WARN("%s: recent window = off (%s)\n", __func__, why);
+        if (dflt && !ggml_rq_type_is_iso(type_v)) {
+            return; // nothing to say about a cache the window is not for
+        }
+        if (dflt) {
+            LLAMA_LOG_INFO("%s: recent window = off (%s)\n", __func__, why);
+        } else {
+            LLAMA_LOG_WARN("%s: recent window = off (%s)\n", __func__, why);
+        }
         return;
     }
 
-    win = (uint32_t) params.kv_window;
-    // each sequence keeps rows for its last win - 1 positions between ubatches, and a ubatch's tokens all take one
-    win_budget = win*kv.n_seq_max + std::max<uint32_t>(params.n_ubatch, 1);
+    const uint32_t w = dflt ? LLAMA_RQ_KV_WINDOW_DEFAULT : (uint32_t) params.kv_window;
+    // each sequence keeps rows for its last w - 1 positions between ubatches, and a ubatch's tokens all take one
+    const uint32_t budget = w*kv.n_seq_max + std::max<uint32_t>(params.n_ubatch, 1);
 
     rq_buft_ctxs ctxs;
     size_t row_bytes = 0;
@@ -833,20 +842,34 @@ void llama_kv_rq::init_window(ggml_type type_v) {
             continue; // --kv-layer-types: this layer's V is not IsoQuant
         }
         ggml_context * ctx = rq_ctx_for(ctxs, ggml_backend_buffer_get_type(layer.k->buffer), 2*kv.layers.size(), "the recent window");
-        k_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.k->ne[0], win_budget + 1);
-        v_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.v->ne[0], win_budget + 1);
+        k_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.k->ne[0], budget + 1);
+        v_win[i] = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, layer.v->ne[0], budget + 1);
         ggml_format_name(k_win[i], "cache_win_k_l%d", layer.il);
         ggml_format_name(v_win[i], "cache_win_v_l%d", layer.il);
         row_bytes += ggml_row_size(GGML_TYPE_F16, layer.k->ne[0]) + ggml_row_size(GGML_TYPE_F16, layer.v->ne[0]);
     }
     for (auto & [buft, ctx] : ctxs) {
-        ggml_backend_buffer_ptr buf { ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
+        // no_alloc (memory planning): the tensors are counted, nothing is allocated and the window stays off
+        ggml_backend_buffer_ptr buf { hparams.no_alloc ? ggml_backend_buft_alloc_buffer(buft, 0)
+                                                          : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft) };
         if (!buf) {
             throw std::runtime_error("failed to allocate the recent window");
         }
-        ggml_backend_buffer_clear(buf.get(), 0);
+        for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); hparams.no_alloc && t; t = ggml_get_next_tensor(ctx.get(), t)) {
+            t->buffer = buf.get();
+        }
+        if (!hparams.no_alloc) {
+            ggml_backend_buffer_clear(buf.get(), 0);
+        }
         win_ctxs_bufs.emplace_back(std::move(ctx), std::move(buf));
     }
+    if (hparams.no_alloc) {
+        std::fill(k_win.begin(), k_win.end(), nullptr);
+        std::fill(v_win.begin(), v_win.end(), nullptr);
+        return;
+    }
+    win        = w;
+    win_budget = budget;
 
     win_row_of_cell.assign((size_t) kv.get_size()*kv.n_stream, -1);
     win_cell_of_row.assign(win_budget, -1);
@@ -855,9 +878,9 @@ void llama_kv_rq::init_window(ggml_type type_v) {
     for (uint32_t r = 0; r < win_budget; ++r) {
         win_free[r] = win_budget - 1 - r;
     }
-    LLAMA_LOG_INFO("%s: recent window = %u positions (K and V in F16 for the last %u positions of each of %u sequences "
-            "and a ubatch's tokens: %u rows, %.2f MiB)\n", __func__, win, win, kv.n_seq_max, win_budget,
-            (win_budget + 1)*row_bytes/1024.0/1024.0);
+    LLAMA_LOG_INFO("%s: recent window = %u positions%s (K and V in F16 for the last %u positions of each of %u sequences "
+            "and a ubatch's tokens: %u rows, %.2f MiB)\n", __func__, win, dflt ? ", the default (--kv-window 0: none)" : "",
+            win, kv.n_seq_max, win_budget, (win_budget + 1)*row_bytes/1024.0/1024.0);
 }
 
 void llama_kv_rq::win_release(uint32_t row) {
@@ -1021,6 +1044,126 @@ void llama_kv_rq::drop_all() {
             release(r);
         }
     }
+}
+
+static constexpr uint32_t RQ_STATE_WIN_MAGIC = 0x31575152u; // "RQW1"
+
+bool llama_kv_rq::win_section() const {
+    return std::any_of(kv.layers.begin(), kv.layers.end(), [](const auto & l) { return l.v && ggml_rq_type_is_iso(l.v->type); });
+}
+
+std::pair<uint32_t, uint64_t> llama_kv_rq::win_layout() const {
+    uint32_t n_layer = 0;
+    uint64_t row_bytes = 0;
+    for (size_t i = 0; i < k_win.size(); ++i) {
+        if (k_win[i]) {
+            n_layer++;
+            row_bytes += k_win[i]->nb[1] + v_win[i]->nb[1];
+        }
+    }
+    return { n_layer, row_bytes };
+}
+
+void llama_kv_rq::state_write(llama_io_write_i & io, const llama_kv_cache::cell_ranges_t & cr, llama_seq_id seq_id) const {
+    if (!win_section()) {
+        return;
+    }
+    const auto & cells = kv.v_cells[cr.strm];
+    std::vector<uint32_t> ords; // the rows' cells, as their index among the saved cells
+    std::vector<int32_t>  rows;
+    uint32_t ord = 0;
+    for (const auto & [i0, i1] : cr.data) {
+        for (uint32_t i = i0; i < i1; ++i, ++ord) {
+            const int64_t c = (int64_t) cr.strm*kv.get_size() + i;
+            const int32_t r = win > 0 ? win_row_of_cell[c] : -1;
+            if (r < 0 || !cell_holds(c, win_pos_of_row[r])) {
+                continue;
+            }
+            bool used = false;
+            for (llama_seq_id s = 0; s < (llama_seq_id) kv.n_seq_max && !used; ++s) {
+                used = (seq_id == -1 || s == seq_id) && cells.seq_has(i, s) &&
+                       win_pos_of_row[r] + (llama_pos) win > cells.seq_pos_max(s) + 1;
+            }
+            if (used) {
+                ords.push_back(ord);
+                rows.push_back(r);
+            }
+        }
+    }
+    const auto [n_layer, row_bytes] = win_layout();
+    const uint32_t n_rows = rows.size();
+    io.write(&RQ_STATE_WIN_MAGIC, sizeof(RQ_STATE_WIN_MAGIC));
+    io.write(&n_layer,   sizeof(n_layer));
+    io.write(&row_bytes, sizeof(row_bytes));
+    io.write(&n_rows,    sizeof(n_rows));
+    if (n_rows > 0) {
+        io.write(ords.data(), ords.size()*sizeof(uint32_t));
+    }
+    for (size_t i = 0; i < k_win.size(); ++i) {
+        for (ggml_tensor * t : { k_win[i], v_win[i] }) {
+            for (int32_t r = 0; t && r < (int32_t) n_rows; ++r) {
+                io.write_tensor(t, rows[r]*t->nb[1], t->nb[1]);
+            }
+        }
+    }
+}
+
+bool llama_kv_rq::state_read(llama_io_read_i & io, uint32_t strm, const llama_kv_cache::slot_info & sinfo) {
+    if (!win_section()) {
+        return true;
+    }
+    uint32_t magic = 0, n_layer = 0, n_rows = 0;
+    uint64_t row_bytes = 0;
+    io.read(&magic, sizeof(magic));
+    if (magic != RQ_STATE_WIN_MAGIC) {
+        LLAMA_LOG_ERROR("%s: the state has no RotaryQuant window section after its IsoQuant K/V data (saved by an older "
+                "build or with other cache types): save it again with this build and the same -ctk/-ctv\n", __func__);
+        return false;
+    }
+    io.read(&n_layer,   sizeof(n_layer));
+    io.read(&row_bytes, sizeof(row_bytes));
+    io.read(&n_rows,    sizeof(n_rows));
+    std::vector<uint32_t> ords(n_rows);
+    if (n_rows > 0) {
+        io.read(ords.data(), ords.size()*sizeof(uint32_t));
+    }
+    const auto & idxs = sinfo.idxs[0];
+    if (std::any_of(ords.begin(), ords.end(), [&](uint32_t o) { return o >= idxs.size(); })) {
+        LLAMA_LOG_ERROR("%s: the state's window section names a cell it does not hold\n", __func__);
+        return false;
+    }
+    if (n_rows > 0 && (win == 0 || win_layout() != std::make_pair(n_layer, row_bytes) || win_free.size() < n_rows)) {
+        // another window layout, or none here: those keys are read packed, as without a window
+        if (win > 0) {
+            LLAMA_LOG_WARN("%s: %u window rows of the state do not fit this context's window: their keys are read packed\n",
+                    __func__, n_rows);
+        }
+        std::vector<uint8_t> skip(row_bytes);
+        for (uint32_t r = 0; r < n_rows; ++r) {
+            io.read(skip.data(), skip.size());
+        }
+        return true;
+    }
+    std::vector<int32_t> rows(n_rows);
+    for (uint32_t k = 0; k < n_rows; ++k) {
+        const int64_t c = (int64_t) strm*kv.get_size() + idxs[ords[k]];
+        if (win_row_of_cell[c] >= 0) {
+            win_release(win_row_of_cell[c]);
+        }
+        rows[k] = win_free.back();
+        win_free.pop_back();
+        win_row_of_cell[c]       = rows[k];
+        win_cell_of_row[rows[k]] = c;
+        win_pos_of_row[rows[k]]  = kv.v_cells[strm].pos_get(idxs[ords[k]]);
+    }
+    for (size_t i = 0; i < k_win.size(); ++i) {
+        for (ggml_tensor * t : { k_win[i], v_win[i] }) {
+            for (uint32_t k = 0; t && k < n_rows; ++k) {
+                io.read_tensor(t, rows[k]*t->nb[1], t->nb[1]);
+            }
+        }
+    }
+    return true;
 }
 
 void llama_kv_rq::batch(const llama_batch_allocr & balloc) {

@@ -23,6 +23,8 @@
 struct gguf_context;
 struct llm_graph_context;
 class  llama_batch_allocr;
+class  llama_io_read_i;
+class  llama_io_write_i;
 
 // the per-layer tensors of K centring: k is cached as k*k_scale + k_bias = (k - mu)/lam, q multiplied by
 // q_scale = lam (expanded to the query heads); all null when not active
@@ -105,6 +107,13 @@ public:
     // adds this cache's K/V bytes (allocated, or what would be without no_alloc) and its own buffers' to m
     void memory(llama_rq_memory & m) const;
 
+    // state files: after upstream's K/V data of a stream, the recent window's rows of its saved cells (cr, in that
+    // order) that a query of the saved sequences can still use; a cache with an IsoQuant V writes the section with the
+    // window on or off, so a state loads whatever either context's window (rows a context cannot take are skipped:
+    // those keys are read packed). state_read: false, logged, on a state without the section
+    void state_write(llama_io_write_i & io, const llama_kv_cache::cell_ranges_t & cr, llama_seq_id seq_id) const;
+    bool state_read(llama_io_read_i & io, uint32_t strm, const llama_kv_cache::slot_info & sinfo);
+
     void build_input(ggml_context * ctx, llama_rq_dfr_inputs & inp) const;
     void set_input(const llama_rq_dfr_inputs & inp) const;
     // the window inputs of a graph built for another ubatch fit this one
@@ -175,6 +184,8 @@ private:
     // cell c (strm*kv_size + idx) still holds position pos: not emptied, not moved by a shift (a row of it is valid)
     bool cell_holds(int64_t c, llama_pos pos) const;
     void win_release(uint32_t row);
+    bool win_section() const; // the cache writes a window section in state files
+    std::pair<uint32_t, uint64_t> win_layout() const; // layers with a window, bytes of one row over them (K and V)
     void win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub);
     void release(uint32_t row);
     void add_bytes(int64_t n);
