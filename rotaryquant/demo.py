@@ -6,8 +6,9 @@
    last plan once more with IQ3_S + imatrix on the same tensors instead of ITQ3_S, so a 3-bit row that
    drifts says whether 3 bits or the format is to blame; all generate greedily from the same prompt.
 2. KV cache: Gemma3-270M (head size 256 = 2 x 128) with its K calibration (``rq-calibrate``, once)
-   runs with an F16 cache and with the recommended compressed cache, ``-ctk isoquant4_0 -ctv
-   isoquant3_0`` (K centring on, fused attention), then all-3-bit ``isoquant3_0`` K and V.
+   runs with an F16 cache and with the recommended compressed cache, ``-ctk isoquant3_0 -ctv isoquant3_0``
+   with its defaults (K centring on, fused attention, the last 16 positions exact in F16), then the same
+   without that window (``--kv-window 0``, 3.125 bits/value).
 
 Each run prints its size (file or KV cache), decode speed and how many of its tokens match the
 baseline's; the measured tables are in docs/results/REPORT.md. Generation runs in this process (the patched
@@ -44,14 +45,17 @@ class Run:
 @dataclass(frozen=True)
 class Completion:
     text: str        # the continuation, with its own leading space
-    kv_bytes: int    # K and V caches as llama.cpp allocated them (llama_rq_get_memory: all caches of an iSWA model)
+    kv_bytes: int    # the KV caches and their own buffers as llama.cpp allocated them (llama_rq_get_memory: kv_k + kv_v + kv_other)
     decode_tps: float  # decode tokens per second (llama_perf_context: t_eval_ms over n_eval)
 
 
-def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = "f16", ctv: str = "f16") -> Completion:
+def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = "f16", ctv: str = "f16",
+             window: int | None = None) -> Completion:
     """One greedy completion in this process, through llama_cpp and the patched llama.cpp: a 1024-token context
-    with flash attention, ``-ctk ctk -ctv ctv`` and the default K centring (on for a calibrated model with a
-    quantised K cache). llama.cpp's log is kept off the terminal; its error lines say why when something fails."""
+    with flash attention, ``-ctk ctk -ctv ctv``, the default K centring (on for a calibrated model with a
+    quantised K cache) and recent window (``window``: None for the default). The KV size counts the cache's own
+    buffers too (K centring, the window's F16 rows). llama.cpp's log is kept off the terminal; its error lines say
+    why when something fails."""
     import llama_cpp as L
 
     from rotaryquant import bindings
@@ -67,7 +71,7 @@ def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = 
             cp.type_k, cp.type_v = bindings.type_from_name(ctk), bindings.type_from_name(ctv)
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
             cp.no_perf = False
-            bindings.apply(cp)
+            bindings.apply(cp, window=window)
             ctx = L.llama_init_from_model(model_p, cp)
             if not ctx:
                 raise RQError(f"llama.cpp cannot make a {ctk}/{ctv} context for {model.name}: "
@@ -81,7 +85,7 @@ def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = 
         finally:
             L.llama_model_free(model_p)
     tps = 1e3 * perf.n_eval / perf.t_eval_ms if perf.n_eval and perf.t_eval_ms > 0 else float("nan")
-    return Completion(text, mem["kv_k"] + mem["kv_v"], tps)
+    return Completion(text, mem["kv_k"] + mem["kv_v"] + mem["kv_other"], tps)
 
 
 def _greedy(L: Any, ctx: Any, vocab: Any, prompt: str, n_predict: int, log: list[str]) -> str:
@@ -257,12 +261,12 @@ def kv_demo(model: Path | None, prompt: str, threads: int, n_predict: int) -> No
             print(f"  rq-calibrate {src.name} -o {model.name}  (K centring statistics, once; about a minute)")
             model.parent.mkdir(parents=True, exist_ok=True)
             kcenter.calibrate(src, model, progress=True)
-    configs = (("f16", "f16", "F16 KV (baseline)"),
-               ("isoquant4_0", "isoquant3_0", "isoquant4_0 K / isoquant3_0 V, K calibrated (recommended)"),
-               ("isoquant3_0", "isoquant3_0", "isoquant3_0 K and V, K calibrated (3.125 bits/value)"))
+    configs = (("f16", None, "F16 KV (baseline)"),
+               ("isoquant3_0", None, "isoquant3_0 K and V, K calibrated, last 16 positions exact (the defaults; recommended)"),
+               ("isoquant3_0", 0, "isoquant3_0 K and V, K calibrated, --kv-window 0 (3.125 bits/value)"))
     runs = []
-    for ctk, ctv, label in configs:
-        c = complete(model, prompt, n_predict, threads, ctk, ctv)
+    for ct, window, label in configs:
+        c = complete(model, prompt, n_predict, threads, ct, ct, window)
         runs.append(Run(label, c.text, f"KV {c.kv_bytes / 2**20:.2f} MiB", c.decode_tps))
     show(prompt, runs)
 

@@ -52,7 +52,8 @@ def test_kv_part_runs_f16_beside_the_compressed_caches(gemma3, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     kv = [float(m) for m in re.findall(r"KV ([\d.]+) MiB, decode [\d.]+ t/s", proc.stdout)]
     assert len(kv) == 3, proc.stdout
-    # f16, then isoquant4_0 K / isoquant3_0 V, then isoquant3_0 K+V: each smaller than the one before
+    # f16, then isoquant3_0 K+V with its default window (16 positions + one 512-token ubatch of F16 rows, counted),
+    # then without the window: each smaller than the one before
     assert kv[0] > kv[1] > kv[2] > 0
     assert kv[0] / kv[2] > 4.5
     assert "docs/results/REPORT.md" in proc.stdout

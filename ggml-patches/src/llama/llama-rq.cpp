@@ -831,8 +831,9 @@ void llama_kv_rq::init_window(ggml_type type_v) {
     }
 
     const uint32_t w = dflt ? LLAMA_RQ_KV_WINDOW_DEFAULT : (uint32_t) params.kv_window;
-    // each sequence keeps rows for its last w - 1 positions between ubatches, and a ubatch's tokens all take one
-    const uint32_t budget = w*kv.n_seq_max + std::max<uint32_t>(params.n_ubatch, 1);
+    // a ubatch reads its own tokens' rows from the graph (build_window); the pool keeps, per sequence, the last w - 1
+    // positions before the ubatch and the last w - 1 of the ubatch (the first are released at the next ubatch)
+    const uint32_t budget = 2*w*kv.n_seq_max;
 
     rq_buft_ctxs ctxs;
     size_t row_bytes = 0;
@@ -878,8 +879,8 @@ void llama_kv_rq::init_window(ggml_type type_v) {
     for (uint32_t r = 0; r < win_budget; ++r) {
         win_free[r] = win_budget - 1 - r;
     }
-    LLAMA_LOG_INFO("%s: recent window = %u positions%s (K and V in F16 for the last %u positions of each of %u sequences "
-            "and a ubatch's tokens: %u rows, %.2f MiB)\n", __func__, win, dflt ? ", the default (--kv-window 0: none)" : "",
+    LLAMA_LOG_INFO("%s: recent window = %u positions%s (K and V in F16 for the last %u positions of each of %u sequences: "
+            "%u rows, %.2f MiB)\n", __func__, win, dflt ? ", the default (--kv-window 0: none)" : "",
             win, kv.n_seq_max, win_budget, (win_budget + 1)*row_bytes/1024.0/1024.0);
 }
 
@@ -941,12 +942,26 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
         }
     }
 
-    // a row for each token of the ubatch (its own queries may need it)
+    // the ubatch's own queries read its tokens' rows from the graph; a pool row for each token that a later query of
+    // one of its sequences can still use (within win - 1 positions of the sequence's last one in this ubatch)
+    std::vector<llama_pos> last(n_seq, std::numeric_limits<llama_pos>::min());
+    for (uint32_t i = 0; i < ub.n_tokens; ++i) {
+        for (int32_t j = 0; j < ub.n_seq_id[i]; ++j) {
+            last[ub.seq_id[i][j]] = std::max(last[ub.seq_id[i][j]], ub.pos[i]);
+        }
+    }
     win_w.assign(ub.n_tokens, win_budget); // the spare row
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
             const uint32_t i = s*sinfo.size() + ii;
             const int64_t  c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            bool later = false;
+            for (int32_t j = 0; j < ub.n_seq_id[i] && !later; ++j) {
+                later = ub.pos[i] + (llama_pos) win > last[ub.seq_id[i][j]] + 1;
+            }
+            if (!later) {
+                continue;
+            }
             if (win_free.empty()) {
                 if (!win_full_logged) {
                     LLAMA_LOG_WARN("%s: recent window: no free row (%u rows); some keys are read packed\n", __func__, win_budget);
@@ -973,6 +988,17 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
         win_rows[j]  = (int32_t) r;
         win_until[j] = win_pos_of_row[r] + (int32_t) win - 1;
     });
+    // the ubatch's cells: their rows in the graph, after the pool's win_budget + 1 (build_window)
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
+            const uint32_t i = s*sinfo.size() + ii, idx = sinfo.idxs[s][ii];
+            if (idx < n_kv) {
+                const int64_t j = (int64_t) (sinfo.strm[s] - sinfo.s0)*n_kv + idx;
+                win_rows[j]  = (int32_t) (win_budget + 1 + i);
+                win_until[j] = ub.pos[i] + (int32_t) win - 1;
+            }
+        }
+    }
     win_qpos.assign(ub.pos, ub.pos + ub.n_tokens);
 }
 
@@ -1312,11 +1338,17 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context *
     if (!inp.win_w || !k_win[ikv] || !k_cur || !v_cur) {
         return { nullptr, nullptr };
     }
+    // the pool after the ubatch's tokens that stay went in, then those tokens' rows as F16 (the same rounding as the
+    // pool's): the kernel's source of exact rows, the ubatch's own at win_budget + 1 + i
     const auto write = [&](ggml_tensor * rows, ggml_tensor * cur) {
         cur = ggml_is_contiguous(cur) ? cur : ggml_cont(ctx, cur);
-        ggml_tensor * w = ggml_set_rows(ctx, rows, ggml_reshape_2d(ctx, cur, rows->ne[0], ggml_nelements(cur)/rows->ne[0]), inp.win_w);
+        cur = ggml_reshape_2d(ctx, cur, rows->ne[0], ggml_nelements(cur)/rows->ne[0]);
+        ggml_tensor * w = ggml_set_rows(ctx, rows, cur, inp.win_w);
         ggml_build_forward_expand(gf, w);
-        return w;
+        // in the graph now: attached to the attention after it joined the graph, it would not be computed
+        ggml_tensor * x = ggml_concat(ctx, w, ggml_cast(ctx, cur, GGML_TYPE_F16), 1);
+        ggml_build_forward_expand(gf, x);
+        return x;
     };
     // the attention's inputs join the graph here too: it may already hold the attention when they are attached
     for (ggml_tensor * t : { inp.win_rows, inp.win_until, inp.win_qpos }) {
