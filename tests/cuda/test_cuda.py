@@ -38,10 +38,12 @@ def test_cuda_units_compile_for_sm90(upstream_tree):
 # it) stands in for one. What this shows is llama's side only; the CUDA kernels run in scripts/cuda/gpu-check.sh.
 
 
-def _smollm2_isoquant(bin_dir, model, extra):
+def _smollm2_isoquant(bin_dir, model, extra, window=("--kv-window", "0")):
+    # no recent window by default here: a cache on a GPU-type device has none (its kernels do not read it yet), and
+    # the runs are compared with a host cache's
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", "The old lighthouse keeper", "-n", "16",
            "--temp", "0", "-no-cnv", "-t", "2", "-c", "256", "--no-warmup", "--no-display-prompt", "-lv", "4",
-           "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0", *extra]
+           "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0", *window, *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
 
 
@@ -59,3 +61,9 @@ def test_64_wide_isoquant_cache_on_a_gpu_type_device_is_accepted(bin_dir, smollm
     on_device = re.search(r"RPC\d+\[[^\]]+\] KV buffer size", log) is not None
     assert on_device == (ngl == "99"), log[-3000:]     # -ngl 99: the isoquant3_64 cache lives on it; -ngl 0: not
     assert remote.stdout == local.stdout              # the same kernels (the CPU's) behind the RPC device
+    if ngl == "99":
+        # the default window is off, and says so at INFO, for a cache on the device: the same text as --kv-window 0
+        dflt = _smollm2_isoquant(bin_dir, smollm2, ["--rpc", rpc_server, "-ngl", ngl], window=())
+        assert dflt.returncode == 0, dflt.stderr[-3000:]
+        assert "recent window = off (the KV cache is on a GPU device" in dflt.stderr, dflt.stderr[-3000:]
+        assert dflt.stdout == remote.stdout

@@ -1458,7 +1458,9 @@ void llama_rq_attn::kv(ggml_tensor *& k, ggml_tensor *& v, ggml_tensor * k_rot, 
 }
 
 void llama_rq_build_input(ggml_context * ctx, const llama_kv_cache_context * mctx, llama_rq_dfr_inputs & inp) {
-    if (mctx->rq_dfr || mctx->get_rq()->window_active()) {
+    // the window's state is the last applied ubatch's: a memory context no ubatch was applied to (graph reservation,
+    // after a K-shift too) has rq_win false and must not take it
+    if (mctx->rq_dfr || mctx->rq_win) {
         mctx->get_rq()->build_input(ctx, inp);
     }
 }
