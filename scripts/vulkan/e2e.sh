@@ -44,7 +44,7 @@ log "calibrated $(basename "$MODEL") in $(( $(date +%s) - t )) s"
 ppl() {  # BIN KV OUT_NAME ARGS...
     local bin=$1 kv=$2 name=$3; shift 3
     "$bin/llama-perplexity" -m "$W/model.gguf" -f "$TEXT" -c "$CTX" --chunks "$CHUNKS" -fa on -t 2 \
-        -ctk "$kv" -ctv "$kv" "$@" > "$W/$name.log" 2>&1 || { tail -30 "$W/$name.log"; die "llama-perplexity ($name) failed"; }
+        -ctk "$kv" -ctv "$kv" --kv-window 0 "$@" > "$W/$name.log" 2>&1 || { tail -30 "$W/$name.log"; die "llama-perplexity ($name) failed"; }
 }
 kld() { grep -E "Mean +KLD:" "$W/$1.log" | head -1 | awk '{print $(NF-2)}'; }
 kse() { grep -E "Mean +KLD:" "$W/$1.log" | head -1 | awk '{print $NF}'; }
