@@ -87,7 +87,7 @@ def needles(name: str, cache: str, ctx: int = DEPTH) -> str:
     return f"{sum(r['found'] for r in rows)}/{sum(r['asked'] for r in rows)}"
 
 
-ALLOC = "isoquant3_0@model+calib"  # the per-layer types rq-calibrate --kv-bits stored in the model
+ALLOC_W = "isoquant3_0@model+w16+calib"  # the per-layer types rq-calibrate --kv-bits stored, with the recent window
 N_NIAH = 24                         # needles asked at one context (8 per depth x 3 depths)
 
 
@@ -149,8 +149,8 @@ def kv_rows() -> list[tuple[str, ...]]:
         "iso3": ("kv-quality-kc-gemma3", "isoquant3_0+calib"),
         "q4": ("kv-quality-kc-gemma3", "q4_0+calib")}.items()}
     lost = int(needles("niah-kc", "isoquant3_0+calib").split("/")[0]) < int(needles("niah", f16).split("/")[0])
-    alloc_bits = next(r["bits_per_value"] for r in load("kv-quality-alloc-gemma3")["rows"] if r["label"] == ALLOC)
-    alloc_8k = needles("niah-8k-gemma3-alloc", ALLOC + " deferred")
+    alloc_bits = next(r["bits_per_value"] for r in load("kv-quality-alloc-window-gemma3")["rows"] if r["label"] == ALLOC_W)
+    alloc_8k = needles("niah-8k-gemma3-alloc-window", ALLOC_W + " deferred")
     win_bits = next(r["bits_per_value"] for r in load("kv-quality-window-gemma3")["rows"] if r["label"] == "isoquant3_0+w16+calib")
     win_g = kld("kv-quality-window-gemma3", "isoquant3_0+w16+calib")
     win_dec = decode_kld("decode-window-gemma3", "isoquant3_0+w16+calib")
@@ -171,12 +171,13 @@ def kv_rows() -> list[tuple[str, ...]]:
          holds(win_dec < 0.05 and win_g < g["mix"],
                f"**recommended**: the last 16 positions of each query exact in F16; decode KLD after 8K {sig3(win_dec)} "
                f"(isoquant3_0: {sig3(decode_kld('decode-window-gemma3', 'isoquant3_0+calib'))})")),
-        ("KV `--kv-layer-types model` after `rq-calibrate --kv-bits 3.5`, with `--kv-deferred`", f"{alloc_bits:.3f}",
-         f"{sig3(kld('kv-quality-alloc-gemma3', ALLOC))} / –; needles {alloc_8k}, at 16K "
-         f"{needles('niah-16k-gemma3-alloc', ALLOC + ' deferred', ctx=16384)}", "–",
+        ("KV `--kv-layer-types model` after `rq-calibrate --kv-bits 3.375`, default window, `--kv-deferred`",
+         f"{alloc_bits:.3f}",
+         f"{sig3(kld('kv-quality-alloc-window-gemma3', ALLOC_W))} / –; needles {alloc_8k}, at 16K "
+         f"{needles('niah-16k-gemma3-alloc-window', ALLOC_W + ' deferred', ctx=16384)}", "–",
          holds(alloc_8k == f"{N_NIAH}/{N_NIAH}" and alloc_bits <= 3.5,
-               "**for long context**: bits per layer chosen by measured KLD; decode KLD after 8K "
-               f"{sig3(decode_kld('decode-8k-alloc-gemma3', ALLOC))} (isoquant3_0: "
+               "**for long context** (Gemma3): bits per layer chosen by measured KLD; decode KLD after 8K "
+               f"{sig3(decode_kld('decode-8k-alloc-window-gemma3', ALLOC_W))} (isoquant3_0: "
                f"{sig3(decode_kld('decode-8k-alloc-gemma3', 'isoquant3_0+calib'))})")),
         ("KV `isoquant4_0` K and V, K calibrated", f"{bits('isoquant4_0'):g}",
          kld_pair(("kv-quality-kc-gemma3-iso4", "isoquant4_0+calib"), ("kv-quality-kc-qwen-iso4", "isoquant4_0+calib"),
