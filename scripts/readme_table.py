@@ -199,7 +199,10 @@ def kv_rows() -> list[tuple[str, ...]]:
          f"{win_bits:.3g}",
          kld_pair(("kv-quality-window-self-gemma3", "isoquant3_0+w16+self"), ("kv-quality-window-qwen", "isoquant3_0+w16+self")),
          "–", holds(dflt_q < 0.09 and dflt_g < 0.1,
-                    "works as downloaded: the library measures K statistics once per model load³; "
+                    "works as downloaded: the library measures K statistics once per model load³; needles at 8K "
+                    "with `--kv-deferred` "
+                    f"{needles('niah-8k-gemma3-window', 'isoquant3_0+w16+self deferred')} / "
+                    f"{needles('niah-8k-qwen-window', 'isoquant3_0+w16+self deferred')}; "
                     f"with `--kv-window 0` {sig3(kld('kv-quality-self-gemma3', 'isoquant3_0+self'))} / {sig3(qself)}, "
                     f"needles at 8K {needles('niah-8k-gemma3', 'isoquant3_0+self')}")),
         ("KV `isoquant3_0` K and V, `--no-k-center --kv-window 0`", f"{bits('isoquant3_0'):g}",
