@@ -25,7 +25,6 @@ struct llama_rq_params {
     int32_t n_threads   = 0;                   // the context's batch threads (the self-calibration pass uses them)
     std::string kv_layer_types;                // per-layer K/V cache types (llama.h: kv_layer_types)
     int32_t kv_window   = -1;                  // exact recent window in positions, -1 the default (llama.h: kv_window)
-    uint32_t n_ubatch   = 0;                   // the context's ubatch size (the window holds a ubatch's rows too)
 };
 
 // rotaryquant.k_center.* as loaded from the GGUF (written by rq-calibrate): per layer the offset of its

@@ -1333,7 +1333,7 @@ bool llama_kv_rq::window_fits(const llama_rq_dfr_inputs & inp) const {
 }
 
 std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context * ctx, ggml_cgraph * gf,
-        const llama_rq_dfr_inputs & inp, ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il) const {
+        const llama_rq_dfr_inputs & inp, ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il, bool attend) const {
     const int32_t ikv = kv.map_layer_ids.at(il);
     if (!inp.win_w || !k_win[ikv] || !k_cur || !v_cur) {
         return { nullptr, nullptr };
@@ -1345,6 +1345,9 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context *
         cur = ggml_reshape_2d(ctx, cur, rows->ne[0], ggml_nelements(cur)/rows->ne[0]);
         ggml_tensor * w = ggml_set_rows(ctx, rows, cur, inp.win_w);
         ggml_build_forward_expand(gf, w);
+        if (!attend) {
+            return (ggml_tensor *) nullptr;
+        }
         // in the graph now: attached to the attention after it joined the graph, it would not be computed
         ggml_tensor * x = ggml_concat(ctx, w, ggml_cast(ctx, cur, GGML_TYPE_F16), 1);
         ggml_build_forward_expand(gf, x);
@@ -1434,7 +1437,8 @@ llama_rq_attn::llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_c
 
 void llama_rq_attn::window(ggml_tensor * k_cur, ggml_tensor * v_cur) {
     if (inp.win_w && !g.cparams.training) {
-        std::tie(k_win, v_win) = mctx->get_rq()->build_window(g.ctx0, g.gf, inp, k_cur, v_cur, il);
+        // a ubatch that attends through the deferred transient reads F16 K/V: it only writes the rows
+        std::tie(k_win, v_win) = mctx->get_rq()->build_window(g.ctx0, g.gf, inp, k_cur, v_cur, il, !dfr);
     }
 }
 

@@ -120,10 +120,10 @@ public:
     bool window_fits(const llama_rq_dfr_inputs & inp) const;
     bool window_active() const { return !win_w.empty(); }
 
-    // writes the ubatch's k/v (as the cache gets them) into the window rows of layer il: the rows' tensors after the
-    // write (k, v), null when the layer has no window
+    // writes the ubatch's k/v (as the cache gets them) into the window rows of layer il; with attend, the exact-row
+    // sources of the layer's attention (k, v), null when the layer has no window or the attention will not read them
     std::pair<ggml_tensor *, ggml_tensor *> build_window(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
-            ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il) const;
+            ggml_tensor * k_cur, ggml_tensor * v_cur, int32_t il, bool attend) const;
 
     // writes the ubatch's raw (uncentred, unrotated) k_raw/v_raw into the transient and replaces the views k/v of the
     // cache by F16 tensors in the model's basis with the transient rows patched in; q must then be raw too
