@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -101,7 +102,21 @@ def start(self: utils.ServerProcess, *args, **kwargs) -> None:
     for what in ("model_url", "mmproj_url"):
         if getattr(self, what):
             pytest.skip(f"hub download {what}: {getattr(self, what).rsplit('/', 1)[-1]}")
-    return _start(self, *args, **kwargs)
+    _start(self, *args, **kwargs)
+    if self.log_path:
+        _wait_for_log(self.log_path)
+
+
+def _wait_for_log(path: str, line: str = ": model loaded\n", timeout: float = 30.0) -> None:
+    # llama-server answers /health before its log thread has written what came before: upstream's log-reading
+    # tests (test_kv_keep_only_active) then race it on a loaded 2-core machine. "model loaded" is logged right
+    # after the server turns ready and the log keeps order, so once it is in the file everything before it is.
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path, errors="replace") as f:
+            if line in f.read():
+                return
+        time.sleep(0.02)
 
 
 utils.ServerProcess.start = start
