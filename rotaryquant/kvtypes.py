@@ -20,6 +20,7 @@ MODEL = "model"  # per-layer types: the model's stored allocation (rq-calibrate 
 
 
 _WINDOW = re.compile(r"\+w(\d+)")
+DEFAULT_WINDOW = 16  # llama.cpp's kv_window when none is given (LLAMA_RQ_KV_WINDOW_DEFAULT): IsoQuant V, CPU
 
 
 def window(spec: str) -> int:
@@ -27,6 +28,19 @@ def window(spec: str) -> int:
     names what runs, and without "+wN" that is no window, whatever the runtime's default."""
     m = _WINDOW.search(spec)
     return int(m.group(1)) if m else 0
+
+
+def with_window(spec: str, n: int) -> str:
+    """``spec`` with a window of ``n`` positions (0: none), written as result labels are: "TYPES+wN+calib"."""
+    s = _WINDOW.sub("", spec.strip())
+    suf = suffix(s)
+    return (s[: -len(suf)] if suf else s) + (f"+w{n}" if n else "") + suf
+
+
+def as_run(spec: str) -> str:
+    """What llama.cpp runs on the CPU for ``spec`` when its command names no --kv-window: the default window where
+    the V cache is IsoQuant (per-layer V types aside), the spec itself otherwise."""
+    return with_window(spec, DEFAULT_WINDOW) if not window(spec) and split(spec)[1] in ISO_TYPES else spec
 
 
 def suffix(spec: str) -> str:

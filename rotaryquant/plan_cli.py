@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"weights recipes to consider (repeatable; default: {', '.join(P.RECIPES)}; a GGUF is "
                         "also considered as it is)")
     p.add_argument("--kv", help=f"comma-separated KV specs (default: {','.join(P.KV_DEFAULT)}); "
-                                f"K/V pairs and +calib allowed")
+                                f"K/V pairs, +calib (the model's K calibration) and +wN (a recent window of N exact "
+                                f"positions) allowed; on the CPU, default specs with an IsoQuant V get llama.cpp's "
+                                f"default window, +w16; a spec given here runs as written")
     p.add_argument("--top", type=int, default=12, help="rows of the table (default 12)")
     p.add_argument("--json", action="store_true", help="the whole plan as JSON on stdout (for tools)")
     p.add_argument("--verify", action="store_true",

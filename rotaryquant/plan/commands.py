@@ -45,7 +45,7 @@ def commands(plan: Plan, h: Header) -> None:
     assert c is not None
     src = Path(plan.model)
     stem = src.name[:-5] if src.name.endswith(".gguf") else src.name
-    calib = kvtypes.k_center(c.kv)
+    calib = kvtypes.suffix(c.kv) == kvtypes.CALIB  # "+self": the runtime measures its own, nothing to run first
     cmds: list[str] = []
     out = src
     if c.weights == "keep":

@@ -25,7 +25,7 @@ KNOWN_MODELS = (
     KnownModel("smollm2-135m", "SmolLM2-135M-Instruct Q4_1", "llama", 30, 576, 134_515_008, 3,
                ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2.kc.gguf")),
     KnownModel("gemma3-270m", "Gemma3-270M Q4_K_M", "gemma3", 18, 640, 268_098_176, 15,
-               ("gemma-3-270m-q4_k_m.gguf", "gemma3.kc.gguf")),
+               ("gemma-3-270m-q4_k_m.gguf", "gemma3.kc.gguf", "g3.kc.gguf")),
     KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct Q4_K_M", "qwen2", 28, 1536, 1_777_088_000, 15,
                ("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "qwen.kc.gguf")),
 )

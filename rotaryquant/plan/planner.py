@@ -26,6 +26,8 @@ KV_SPECS = ("f16", "q8_0", "q8_0/isoquant3_0", "q8_0/isoquant3_0+calib", "q4_0",
             "isoquant4_0+calib", "isoquant4_0/isoquant3_0+calib", "isoquant3_0", "isoquant3_0+calib")
 KV_DEFAULT = ("f16", "q8_0", "q8_0/isoquant3_0+calib", "q4_0+calib", "isoquant4_0+calib",
               "isoquant4_0/isoquant3_0+calib", "isoquant3_0+calib")
+# planned as llama.cpp runs them: on the CPU an IsoQuant V cache keeps its default recent window ("+w16"), the
+# largest quality lever measured (docs/results/*-window-*); on a GPU there is none (the kernels lack it)
 
 RECIPES = ("rotaryquant", "rotaryquant-itq3", "itq3", "q8_0", "f16", "bf16")
 
@@ -98,12 +100,16 @@ def make_plan(model: str | Path, *, budget: int, ctx: int, parallel: int = 1, de
         notes: list[str] = []
         if n_ctx_train and ctx > n_ctx_train:
             notes.append(f"--ctx {ctx} is beyond the model's training context {n_ctx_train}: quality there is unknown")
+        if not kv and not h.calibrated:  # what runs with nothing done first: the runtime measures K itself
+            specs.append("isoquant3_0" + kvtypes.SELF)
         why_no_calib = calib_possible(h)
         if why_no_calib:
             dropped = [s_ for s_ in specs if kvtypes.k_center(s_)]
             specs = [s_ for s_ in specs if not kvtypes.k_center(s_)]
             if dropped:
                 notes.append(f"K calibration is not possible ({why_no_calib}): {', '.join(dropped)} left out")
+        if not kv and device == "cpu":
+            specs = [kvtypes.as_run(s_) for s_ in specs]
         options, wnotes = weights_options(h, list(RECIPES if recipes is None else recipes), source_kind=kind,
                                           meas=meas, model=km)
         notes += wnotes

@@ -26,9 +26,12 @@ class Measurement:
 
 
 def _norm_spec(label: str) -> str:
-    k, _, v = label.replace("+calib", "").partition("/")
+    from rotaryquant import kvtypes
+
+    bare = kvtypes.with_window(label, 0)
+    k, _, v = bare.replace("+calib", "").partition("/")
     spec = k if not v or v == k else f"{k}/{v}"
-    return spec + ("+calib" if label.endswith("+calib") else "")
+    return kvtypes.with_window(spec + ("+calib" if bare.endswith("+calib") else ""), kvtypes.window(label))
 
 
 def _result_files(results: Path, pattern: str) -> Iterator[tuple[Path, dict]]:

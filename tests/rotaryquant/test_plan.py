@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from rotaryquant import assets
+from rotaryquant import assets, kvtypes
 from rotaryquant import plan as P
 from rotaryquant.bindings import row_size, type_from_name
+from rotaryquant.plan.results import _norm_spec
 from rotaryquant.plan_cli import main
 
 
@@ -198,10 +199,31 @@ def test_plan_picks_the_best_that_fits(gemma3):
     better = [c for c in plan.candidates if c.quality_key < w.quality_key and not c.error]
     assert all(not c.fits for c in better)
     assert plan.commands[-1].split()[0].endswith("llama-server") and "-c 8192" in plan.commands[-1]
-    k, v = (w.kv.replace("+calib", "").split("/") * 2)[:2]
+    k, v = kvtypes.split(w.kv)
     assert f"-ctk {k} -ctv {v}" in plan.commands[-1]
     if w.kv.endswith("+calib"):
         assert plan.commands[0].startswith("rq-calibrate ")
+
+
+def test_plan_counts_and_commands_the_default_window(gemma3):
+    # on the CPU an IsoQuant V cache runs with llama.cpp's default window: the plan costs the window's rows, ranks it
+    # by the window's measured KLD (docs/results/kv-quality-window-gemma3: 0.0193 vs 0.0797 without, 2K) and its
+    # command names the window (it used to plan "isoquant3_0+calib" and pass --kv-window 0: the default turned off)
+    assert kvtypes.as_run("isoquant3_0+calib") == "isoquant3_0+w16+calib"
+    assert kvtypes.as_run("isoquant3_0/q8_0+calib") == "isoquant3_0/q8_0+calib"   # V not IsoQuant: no window
+    assert _norm_spec("isoquant3_0/isoquant3_0+w16+calib") == "isoquant3_0+w16+calib"
+    plan = P.make_plan(gemma3, budget=1 << 40, ctx=2048, recipes=[])
+    c = next(c for c in plan.candidates if c.kv == "isoquant3_0+w16+calib")
+    assert c.kv_quality.kld is not None and "window" in c.kv_quality.where, c.kv_quality.where
+    assert plan.winner.kv_quality.kld <= c.kv_quality.kld
+    plain = P.make_plan(gemma3, budget=1 << 40, ctx=2048, recipes=[], kv=["isoquant3_0+calib", "isoquant3_0+w16+calib"])
+    one, win = (next(x for x in plain.candidates if x.kv == k) for k in ("isoquant3_0+calib", "isoquant3_0+w16+calib"))
+    assert win.bytes["kv"] > one.bytes["kv"] or win.peak > one.peak
+    top = P.make_plan(gemma3, budget=1 << 40, ctx=2048, recipes=[], kv=["isoquant3_0+calib+w16"])
+    assert "--kv-window 16" in top.commands[-1] and top.commands[0].startswith("rq-calibrate ")
+    # a GPU plan has no window: the device kernels lack it
+    gpu = P.make_plan(gemma3, budget=1 << 40, ctx=2048, recipes=[], device="cuda")
+    assert not any(kvtypes.window(x.kv) for x in gpu.candidates)
 
 
 # --- the command line --------------------------------------------------------------------------------
@@ -212,7 +234,9 @@ def test_cli_json(smollm2, capsys):
     assert d["winner"]["fits"] and d["winner"]["peak"] <= 1 << 30 and d["commands"]
     assert {"weights_mapped", "kv", "compute", "base"} <= set(d["winner"]["bytes"])
     # head size 64: the IsoQuant specs are planned (llama uses the 64-wide siblings), not refused
-    assert any(c["kv"] == "isoquant3_0+calib" and not c["error"] for c in d["candidates"])
+    # on the CPU, as llama.cpp runs them: IsoQuant V with its default window
+    assert any(c["kv"] == "isoquant3_0+w16+calib" and not c["error"] for c in d["candidates"])
+    assert not any(c["kv"] == "isoquant3_0+calib" for c in d["candidates"])
 
 
 def test_cli_errors(smollm2, tmp_path, capsys):
