@@ -1,0 +1,126 @@
+"""Our Metal kernels (ggml-patches/src/metal) run here as C++: tests/metal/shim/metal_stdlib stands in for Metal's
+standard library (vector types, half, simd_* ops, threadgroup_barrier) and runs each thread of a threadgroup as a
+fiber, lanes in two orders. Checked against ggml's C reference bit for bit (the kernels keep its float operations
+and order), on the row counts and widths test-backend-ops uses for GET_ROWS; deliberately broken builds (a wrong
+shuffle partner, a missing barrier) must fail the same check. This checks logic, indexing and data layout, not
+Apple's compiler (fast-math, contraction) or speed: no Metal compiler exists on this machine."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rotaryquant import bindings, paths
+
+HERE = Path(__file__).resolve().parent
+METAL_SRC = paths.REPO / "ggml-patches" / "src" / "metal"
+ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the Metal emulation needs g++ (C++17, _Float16)")
+
+
+def _build(out: Path, upstream_tree: Path, *defines: str) -> Path:
+    """Compiles tests/metal/run_kernels.cpp with the kernel sources. The one textual change: `[[threadgroup(N)]]`
+    (a parameter attribute whose name is also an address space, which no macro can erase in both roles) becomes
+    a comment; the rest of the source is compiled as written."""
+    src = out / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    for p in METAL_SRC.iterdir():
+        text = p.read_text()
+        if p.suffix == ".metal":
+            text = re.sub(r"\[\[threadgroup\((\d+)\)\]\]", r"/* [[threadgroup(\1)]] */", text)
+        (src / p.name).write_text(text)
+    impl = upstream_tree / "vendor" / "llama.cpp" / "ggml" / "src" / "ggml-metal"
+    exe = out / "run_kernels"
+    cmd = ["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror", "-Wno-attributes",
+           "-Wno-unused-function", *[f"-D{d}" for d in defines], "-I", str(src), "-I", str(HERE / "shim"),
+           "-I", str(impl), str(HERE / "run_kernels.cpp"), "-o", str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
+
+
+@pytest.fixture(scope="module")
+def harness(tmp_path_factory, upstream_tree) -> Path:
+    return _build(tmp_path_factory.mktemp("metal"), upstream_tree)
+
+
+def _get_rows(exe: Path, t: str, x: np.ndarray, order: int, tmp: Path) -> tuple[np.ndarray, np.ndarray, str]:
+    """(the kernel's rows, ggml's, stderr): the kernel gathers the rows in reverse order."""
+    tid = bindings.type_from_name(t)
+    q = bindings.quantize(x, tid)
+    ref = bindings.dequantize(q, tid, x.shape[1])[::-1]
+    (tmp / "in.bin").write_bytes(q.tobytes())
+    proc = subprocess.run([str(exe), "get_rows", t, str(x.shape[0]), str(x.shape[1]), str(order),
+                           str(tmp / "in.bin"), str(tmp / "out.bin")], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return np.full_like(ref, np.nan), ref, proc.stderr
+    return np.fromfile(tmp / "out.bin", dtype=np.float32).reshape(ref.shape), ref, proc.stderr
+
+
+def _rows(n_rows: int, n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_rows, n)).astype(np.float32) * rng.uniform(0.01, 50.0, (n_rows, 1)).astype(np.float32)
+    x[0, :] = 0.0                      # an all-zero block: d = 0
+    x[-1, 5] = 1e4                     # one outlier
+    return x
+
+
+@pytest.mark.parametrize("t", ISO_TYPES)
+@pytest.mark.parametrize("order", [0, 1])
+def test_get_rows_is_the_c_reference(harness, t, order, tmp_path):
+    # test-backend-ops' GET_ROWS widths: one block, and a head of 256 (2 or 4 blocks), K/V-row sized 4 x 128
+    for n_rows, width in ((3, 128), (5, 256), (2, 512)):
+        qk = 64 if t.endswith("_64") else 128
+        if width % qk:
+            continue
+        got, ref, err = _get_rows(harness, t, _rows(n_rows, width, seed=width + order), order, tmp_path)
+        assert not err, err
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (t, width, np.nanmax(np.abs(got - ref)))
+
+
+@pytest.mark.parametrize("broken", ["RQ_MTL_BREAK_SHUFFLE", "RQ_MTL_BREAK_BARRIER"])
+def test_broken_kernels_are_caught(broken, tmp_path, upstream_tree):
+    # a wrong shuffle partner in one Walsh-Hadamard stage; the staging barrier left out (lanes read block bytes other
+    # lanes have not copied yet: poison in forward order, the previous block's in reverse)
+    exe = _build(tmp_path / "b", upstream_tree, broken)
+    for t in ("isoquant3_0", "isoquant4_64"):
+        for order in (0, 1):
+            got, ref, _ = _get_rows(exe, t, _rows(4, 256, seed=1), order, tmp_path)
+            assert not np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (broken, t, order)
+
+
+def test_emulation_refuses_a_barrier_some_threads_skip(tmp_path):
+    # the runtime itself: a thread that returns while the others wait at a barrier is an error, not a hang
+    (tmp_path / "k.cpp").write_text('''
+#include <metal_stdlib>
+using namespace metal;
+kernel void k(device float * out, ushort tid [[thread_index_in_threadgroup]]) {
+    if (tid == 3) { return; }
+    out[tid] = simd_sum((float) tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+int main() {
+    float out[32] = {};
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch(1, 32, 0, shmem, [&](unsigned, unsigned tid) { k(out, (ushort) tid); }, 0);
+    return 0;
+}
+''')
+    exe = tmp_path / "k"
+    subprocess.run(["g++", "-std=c++17", "-Wno-attributes", "-I", str(HERE / "shim"), str(tmp_path / "k.cpp"),
+                    "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3 and "returned while others wait at a threadgroup_barrier" in proc.stderr, proc.stderr
+
+
+def test_metal_tables_are_generated_from_the_c_tables():
+    proc = subprocess.run([sys.executable, str(paths.REPO / "scripts" / "metal" / "gen-tables.py"), "--check"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
