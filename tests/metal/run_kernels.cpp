@@ -5,8 +5,12 @@
 //   run_kernels get_rows TYPE N_ROWS NE00 ORDER IN OUT
 //     IN: N_ROWS rows of TYPE blocks; rows are gathered in reverse order (ids N_ROWS-1 .. 0), so OUT row i is the
 //     F32 dequantisation of IN row N_ROWS-1-i. ORDER: 0 runs each threadgroup's lanes forward, 1 in reverse.
+//   run_kernels fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT
+//     ggml's FLASH_ATTN_EXT layouts: Q F32 [D, N_Q, N_HEAD], K/V packed rows [D, N_KV, N_HEAD_KV], MASK F16
+//     [N_KV, N_Q]; OUT F32 [D, N_HEAD, N_Q].
 
 #include "rq-iso.metal"
+#include "rq-iso-fa.metal"
 
 #include <string>
 
@@ -60,9 +64,61 @@ static void get_rows(int n_rows, int ne00, int order, const std::vector<unsigned
     }, order);
 }
 
+template <typename bk, short KB, typename bv, short VB, short D, short QK>
+static int fa(char ** a, int order) {
+    const int n_q = atoi(a[0]), n_head = atoi(a[1]), n_head_kv = atoi(a[2]), n_kv = atoi(a[3]);
+    const float scale = (float) atof(a[4]);
+    const std::vector<unsigned char> q = read_all(a[5]), k = read_all(a[6]), v = read_all(a[7]), m = read_all(a[8]);
+    const size_t krow = (D/QK)*sizeof(bk), vrow = (D/QK)*sizeof(bv);
+    if (q.size() != sizeof(float)*D*n_q*n_head || k.size() != krow*n_kv*n_head_kv || v.size() != vrow*n_kv*n_head_kv ||
+        m.size() != sizeof(uint16_t)*n_kv*n_q) {
+        fprintf(stderr, "fa: input sizes do not match the shape\n");
+        return 2;
+    }
+    ggml_metal_kargs_flash_attn_ext_vec args = {};
+    args.ne01 = n_q;  args.ne02 = n_head;  args.ne03 = 1;
+    args.nb01 = sizeof(float)*D;  args.nb02 = args.nb01*n_q;  args.nb03 = args.nb02*n_head;
+    args.ne11 = n_kv; args.ne_12_2 = n_head_kv; args.ne_12_3 = 1;
+    args.nb11 = krow; args.nb12 = krow*n_kv; args.nb13 = args.nb12*n_head_kv;
+    args.nb21 = vrow; args.nb22 = vrow*n_kv; args.nb23 = args.nb22*n_head_kv;
+    args.ne31 = n_q;  args.ne32 = 1; args.ne33 = 1;
+    args.nb31 = sizeof(uint16_t)*n_kv; args.nb32 = args.nb31*n_q; args.nb33 = args.nb32;
+    args.ne1 = n_head; args.ne2 = n_q; args.ne3 = 1;
+    args.scale = scale;
+    constexpr int NSG = 4;
+    std::vector<float> out((size_t) D*n_head*n_q, 0.0f);
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) (n_q*n_head), NSG*N_SIMDWIDTH, sizeof(float)*NSG*(2 + D), shmem, [&](unsigned g, unsigned tid) {
+        kernel_flash_attn_ext_iso<bk, KB, bv, VB, D, QK, NSG, true>(args, (const char *) q.data(), (const char *) k.data(),
+            (const char *) v.data(), (const char *) m.data(), (char *) out.data(), (float *) shmem.data(),
+            metal::uint3(g % n_q, g / n_q, 0), (metal::ushort) (tid % N_SIMDWIDTH), (metal::ushort) (tid / N_SIMDWIDTH));
+    }, order);
+    FILE * f = fopen(a[9], "wb");
+    if (!f || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
+        fprintf(stderr, "cannot write %s\n", a[9]);
+        return 2;
+    }
+    fclose(f);
+    return 0;
+}
+
 int main(int argc, char ** argv) {
+    if (argc == 16 && std::string(argv[1]) == "fa") {
+        const std::string kv = std::string(argv[2]) + "/" + argv[3];
+        const int d = atoi(argv[4]), order = atoi(argv[10]);
+        char * a[10] = { argv[5], argv[6], argv[7], argv[8], argv[9], argv[11], argv[12], argv[13], argv[14], argv[15] };
+        if (kv == "isoquant3_0/isoquant3_0" && d == 128) return fa<block_isoquant3_0, 3, block_isoquant3_0, 3, 128, QK_ISO>(a, order);
+        if (kv == "isoquant4_0/isoquant3_0" && d == 128) return fa<block_isoquant4_0, 4, block_isoquant3_0, 3, 128, QK_ISO>(a, order);
+        if (kv == "isoquant4_0/isoquant4_0" && d == 128) return fa<block_isoquant4_0, 4, block_isoquant4_0, 4, 128, QK_ISO>(a, order);
+        if (kv == "isoquant3_0/isoquant3_0" && d == 256) return fa<block_isoquant3_0, 3, block_isoquant3_0, 3, 256, QK_ISO>(a, order);
+        if (kv == "isoquant3_64/isoquant3_64" && d == 64) return fa<block_isoquant3_64, 3, block_isoquant3_64, 3, 64, QK_ISO64>(a, order);
+        if (kv == "isoquant4_64/isoquant4_64" && d == 64) return fa<block_isoquant4_64, 4, block_isoquant4_64, 4, 64, QK_ISO64>(a, order);
+        fprintf(stderr, "fa: no kernel for %s at head size %d\n", kv.c_str(), d);
+        return 2;
+    }
     if (argc != 8 || std::string(argv[1]) != "get_rows") {
-        fprintf(stderr, "usage: %s get_rows TYPE N_ROWS NE00 ORDER IN OUT\n", argv[0]);
+        fprintf(stderr, "usage: %s get_rows TYPE N_ROWS NE00 ORDER IN OUT\n"
+                        "       %s fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT\n", argv[0], argv[0]);
         return 2;
     }
     const std::string type = argv[2];

@@ -7,6 +7,7 @@ Apple's compiler (fast-math, contraction) or speed: no Metal compiler exists on 
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import subprocess
@@ -94,6 +95,69 @@ def test_broken_kernels_are_caught(broken, tmp_path, upstream_tree):
         for order in (0, 1):
             got, ref, _ = _get_rows(exe, t, _rows(4, 256, seed=1), order, tmp_path)
             assert not np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (broken, t, order)
+    # the fused attention: the rotation's shuffles, and the barrier before simdgroup 0 merges the others' softmax
+    # state (a lane order that lets the others finish first can hide it: one order must catch it)
+    for kt, vt, d in (FA_CASES[0], FA_CASES[4]):
+        errs = [_nmse(*_fa(exe, kt, vt, d, 1, 4, 2, 64, order, seed=7, tmp=tmp_path)[:2]) for order in (0, 1)]
+        assert max(errs) > 1e-3, (broken, kt, errs)
+
+
+FA_CASES = [  # (K type, V type, head size); test-backend-ops' FLASH_ATTN_EXT widths for our types
+    ("isoquant3_0", "isoquant3_0", 128), ("isoquant4_0", "isoquant3_0", 128), ("isoquant4_0", "isoquant4_0", 128),
+    ("isoquant3_0", "isoquant3_0", 256), ("isoquant3_64", "isoquant3_64", 64), ("isoquant4_64", "isoquant4_64", 64),
+]
+
+
+def _fa(exe: Path, kt: str, vt: str, d: int, n_q: int, n_head: int, n_head_kv: int, n_kv: int, order: int,
+        seed: int, tmp: Path) -> tuple[np.ndarray, np.ndarray, str]:
+    """(the kernel's output [n_q, n_head, d], float64 attention over ggml's dequantised K/V, stderr); a causal mask
+    over the last n_q keys and one masked column."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((n_head, n_q, d)).astype(np.float32)
+    k = (rng.standard_normal((n_head_kv, n_kv, d)) * rng.uniform(0.2, 3.0, (n_head_kv, n_kv, 1))).astype(np.float32)
+    v = rng.standard_normal((n_head_kv, n_kv, d)).astype(np.float32)
+    mask = np.zeros((n_q, n_kv), np.float16)
+    for i in range(n_q):
+        mask[i, n_kv - n_q + i + 1:] = -np.inf
+    mask[:, 3] = -np.inf
+    scale = np.float32(1.0 / np.sqrt(d))
+    tk, tv = bindings.type_from_name(kt), bindings.type_from_name(vt)
+    kq, vq = bindings.quantize(k.reshape(-1, d), tk), bindings.quantize(v.reshape(-1, d), tv)
+    kd = bindings.dequantize(kq, tk, d).reshape(n_head_kv, n_kv, d).astype(np.float64)
+    vd = bindings.dequantize(vq, tv, d).reshape(n_head_kv, n_kv, d).astype(np.float64)
+    ref = np.zeros((n_q, n_head, d))
+    for h in range(n_head):
+        hk = h // (n_head // n_head_kv)
+        s = q[h].astype(np.float64) @ kd[hk].T * scale + mask.astype(np.float64)
+        p = np.exp(s - s.max(1, keepdims=True))
+        ref[:, h] = (p / p.sum(1, keepdims=True)) @ vd[hk]
+    files = []
+    for name, a in (("q", q), ("k", kq), ("v", vq), ("m", mask)):
+        (tmp / f"{name}.bin").write_bytes(np.ascontiguousarray(a).tobytes())
+        files.append(str(tmp / f"{name}.bin"))
+    proc = subprocess.run([str(exe), "fa", kt, vt, str(d), str(n_q), str(n_head), str(n_head_kv), str(n_kv),
+                           repr(float(scale)), str(order), *files, str(tmp / "o.bin")],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return np.full(ref.shape, np.nan), ref, proc.stderr
+    return np.fromfile(tmp / "o.bin", dtype=np.float32).reshape(ref.shape), ref, proc.stderr
+
+
+def _nmse(got: np.ndarray, ref: np.ndarray) -> float:
+    err = float(((got - ref) ** 2).sum() / (ref ** 2).sum())
+    return err if np.isfinite(err) else math.inf
+
+
+@pytest.mark.parametrize("kt,vt,d", FA_CASES)
+def test_fused_attention_is_attention_over_the_dequantised_cache(harness, kt, vt, d, tmp_path):
+    # the query rotated once, keys scored packed, values summed rotated, one inverse rotation: equal to attention over
+    # the C reference's dequantised K/V up to float32 rounding (measured NMSE ~1e-13; test-backend-ops allows 5e-4).
+    # Decode (1 query) and a 3-token step; GQA 4 heads on 2; 4 simdgroups split the keys
+    for n_q, n_kv in ((1, 256), (3, 113)):
+        for order in (0, 1):
+            got, ref, err = _fa(harness, kt, vt, d, n_q, 4, 2, n_kv, order, seed=d + n_kv, tmp=tmp_path)
+            assert not err, err
+            assert _nmse(got, ref) < 1e-10, (kt, vt, d, n_q, order, _nmse(got, ref))
 
 
 def test_emulation_refuses_a_barrier_some_threads_skip(tmp_path):
