@@ -5,6 +5,8 @@
 //   run_kernels get_rows TYPE N_ROWS NE00 ORDER IN OUT
 //     IN: N_ROWS rows of TYPE blocks; rows are gathered in reverse order (ids N_ROWS-1 .. 0), so OUT row i is the
 //     F32 dequantisation of IN row N_ROWS-1-i. ORDER: 0 runs each threadgroup's lanes forward, 1 in reverse.
+//   run_kernels set_rows TYPE N_ROWS NE00 ORDER IN OUT
+//     IN: N_ROWS F32 rows, written to rows N_ROWS-1 .. 0 of OUT (I64 row ids), packed as TYPE.
 //   run_kernels fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT
 //     ggml's FLASH_ATTN_EXT layouts: Q F32 [D, N_Q, N_HEAD], K/V packed rows [D, N_KV, N_HEAD_KV], MASK F16
 //     [N_KV, N_Q]; OUT F32 [D, N_HEAD, N_Q].
@@ -64,6 +66,39 @@ static void get_rows(int n_rows, int ne00, int order, const std::vector<unsigned
     }, order);
 }
 
+template <typename block_q, short BITS, short QK>
+static void set_rows(int n_rows, int ne00, int order, const std::vector<unsigned char> & src, std::vector<unsigned char> & out) {
+    const size_t row_bytes = (size_t) (ne00/QK)*sizeof(block_q);
+    if (src.size() != sizeof(float)*ne00*n_rows) {
+        fprintf(stderr, "input has %zu bytes, expected %zu\n", src.size(), sizeof(float)*ne00*n_rows);
+        exit(2);
+    }
+    std::vector<int64_t> ids(n_rows);
+    for (int i = 0; i < n_rows; ++i) {
+        ids[i] = n_rows - 1 - i;
+    }
+    out.assign(row_bytes*n_rows, 0xee);
+    ggml_metal_kargs_set_rows args = {};
+    args.nk0  = ne00/QK;
+    args.ne01 = n_rows;
+    args.nb01 = sizeof(float)*ne00;
+    args.nb02 = args.nb01*n_rows;
+    args.nb03 = args.nb02;
+    args.ne11 = 1;
+    args.ne12 = 1;
+    args.nb10 = sizeof(int64_t);
+    args.nb11 = sizeof(int64_t)*n_rows;
+    args.nb12 = args.nb11;
+    args.nb1  = row_bytes;
+    args.nb2  = row_bytes*n_rows;
+    args.nb3  = args.nb2;
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) n_rows, N_SIMDWIDTH, 0, shmem, [&](unsigned g, unsigned tid) {
+        kernel_set_rows_iso<int64_t, block_q, BITS, QK>(args, src.data(), ids.data(), (float *) out.data(),
+                                                         metal::uint3(g, 0, 0), (metal::ushort) tid);
+    }, order);
+}
+
 template <typename bk, short KB, typename bv, short VB, short D, short QK>
 static int fa(char ** a, int order) {
     const int n_q = atoi(a[0]), n_head = atoi(a[1]), n_head_kv = atoi(a[2]), n_kv = atoi(a[3]);
@@ -115,6 +150,31 @@ int main(int argc, char ** argv) {
         if (kv == "isoquant4_64/isoquant4_64" && d == 64) return fa<block_isoquant4_64, 4, block_isoquant4_64, 4, 64, QK_ISO64>(a, order);
         fprintf(stderr, "fa: no kernel for %s at head size %d\n", kv.c_str(), d);
         return 2;
+    }
+    if (argc == 8 && std::string(argv[1]) == "set_rows") {
+        const std::string type = argv[2];
+        const int n_rows = atoi(argv[3]), ne00 = atoi(argv[4]), order = atoi(argv[5]);
+        const std::vector<unsigned char> src = read_all(argv[6]);
+        std::vector<unsigned char> out;
+        if (type == "isoquant3_0") {
+            set_rows<block_isoquant3_0, 3, QK_ISO>(n_rows, ne00, order, src, out);
+        } else if (type == "isoquant4_0") {
+            set_rows<block_isoquant4_0, 4, QK_ISO>(n_rows, ne00, order, src, out);
+        } else if (type == "isoquant3_64") {
+            set_rows<block_isoquant3_64, 3, QK_ISO64>(n_rows, ne00, order, src, out);
+        } else if (type == "isoquant4_64") {
+            set_rows<block_isoquant4_64, 4, QK_ISO64>(n_rows, ne00, order, src, out);
+        } else {
+            fprintf(stderr, "unknown type %s\n", type.c_str());
+            return 2;
+        }
+        FILE * f = fopen(argv[7], "wb");
+        if (!f || fwrite(out.data(), 1, out.size(), f) != out.size()) {
+            fprintf(stderr, "cannot write %s\n", argv[7]);
+            return 2;
+        }
+        fclose(f);
+        return 0;
     }
     if (argc != 8 || std::string(argv[1]) != "get_rows") {
         fprintf(stderr, "usage: %s get_rows TYPE N_ROWS NE00 ORDER IN OUT\n"
