@@ -7,12 +7,15 @@
 //     F32 dequantisation of IN row N_ROWS-1-i. ORDER: 0 runs each threadgroup's lanes forward, 1 in reverse.
 //   run_kernels set_rows TYPE N_ROWS NE00 ORDER IN OUT
 //     IN: N_ROWS F32 rows, written to rows N_ROWS-1 .. 0 of OUT (I64 row ids), packed as TYPE.
+//   run_kernels get_rows itq3_s ... as above;  run_kernels mul_mv N_ROWS NE00 N_COLS ORDER W X OUT
+//     W: N_ROWS ITQ3_S rows; X: N_COLS F32 rows of NE00; OUT: F32 [N_COLS][N_ROWS] = X W^T.
 //   run_kernels fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT
 //     ggml's FLASH_ATTN_EXT layouts: Q F32 [D, N_Q, N_HEAD], K/V packed rows [D, N_KV, N_HEAD_KV], MASK F16
 //     [N_KV, N_Q]; OUT F32 [D, N_HEAD, N_Q].
 
 #include "rq-iso.metal"
 #include "rq-iso-fa.metal"
+#include "rq-itq3.metal"
 
 #include <string>
 
@@ -64,6 +67,60 @@ static void get_rows(int n_rows, int ne00, int order, const std::vector<unsigned
         kernel_get_rows_iso<block_q, BITS, QK>(args, src.data(), ids.data(), out.data(), shmem.data(),
                                                metal::uint3(g, 0, 0), (metal::ushort) tid);
     }, order);
+}
+
+static void get_rows_itq3(int n_rows, int ne00, int order, const std::vector<unsigned char> & src, std::vector<float> & out) {
+    const size_t row_bytes = (size_t) (ne00/QK_ITQ)*sizeof(block_itq3_s);
+    if (src.size() != row_bytes*n_rows) {
+        fprintf(stderr, "input has %zu bytes, expected %zu\n", src.size(), row_bytes*n_rows);
+        exit(2);
+    }
+    std::vector<int32_t> ids(n_rows);
+    for (int i = 0; i < n_rows; ++i) {
+        ids[i] = n_rows - 1 - i;
+    }
+    out.assign((size_t) n_rows*ne00, 0.0f);
+    ggml_metal_kargs_get_rows args = {};
+    args.ne00t = ne00; args.ne00 = ne00;
+    args.nb01 = row_bytes; args.nb02 = row_bytes*n_rows; args.nb03 = args.nb02;
+    args.ne10 = n_rows; args.nb10 = sizeof(int32_t); args.nb11 = sizeof(int32_t)*n_rows; args.nb12 = args.nb11;
+    args.nb1 = sizeof(float)*ne00; args.nb2 = args.nb1*n_rows; args.nb3 = args.nb2;
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) n_rows, N_SIMDWIDTH, 0, shmem, [&](unsigned g, unsigned tid) {
+        kernel_get_rows_itq3_s(args, src.data(), ids.data(), out.data(), metal::uint3(g, 0, 0), (metal::ushort) tid);
+    }, order);
+}
+
+static int mul_mv(char ** a) {
+    const int n_rows = atoi(a[0]), ne00 = atoi(a[1]), n_cols = atoi(a[2]), order = atoi(a[3]);
+    const std::vector<unsigned char> w = read_all(a[4]), x = read_all(a[5]);
+    const size_t row_bytes = (size_t) (ne00/QK_ITQ)*sizeof(block_itq3_s);
+    if (w.size() != row_bytes*n_rows || x.size() != sizeof(float)*ne00*n_cols) {
+        fprintf(stderr, "mul_mv: input sizes do not match the shape\n");
+        return 2;
+    }
+    constexpr int NSG = 4, NR = 2;
+    ggml_metal_kargs_mul_mv args = {};
+    args.ne00 = ne00; args.ne01 = n_rows; args.ne02 = 1;
+    args.nb00 = sizeof(block_itq3_s); args.nb01 = row_bytes; args.nb02 = row_bytes*n_rows; args.nb03 = args.nb02;
+    args.ne10 = ne00; args.ne11 = n_cols; args.ne12 = 1;
+    args.nb10 = sizeof(float); args.nb11 = sizeof(float)*ne00; args.nb12 = args.nb11*n_cols; args.nb13 = args.nb12;
+    args.ne0 = n_rows; args.ne1 = n_cols; args.nr0 = NR; args.r2 = 1; args.r3 = 1;
+    const int n_tg = (n_rows + NSG*NR - 1)/(NSG*NR);
+    std::vector<float> out((size_t) n_rows*n_cols, NAN);
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) (n_tg*n_cols), NSG*N_SIMDWIDTH, sizeof(float)*ne00, shmem, [&](unsigned g, unsigned tid) {
+        kernel_mul_mv_itq3_s_f32<NSG, NR>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
+            (float *) shmem.data(), metal::uint3(g % n_tg, g / n_tg, 0), (metal::ushort) (tid % N_SIMDWIDTH),
+            (metal::ushort) (tid / N_SIMDWIDTH));
+    }, order);
+    FILE * f = fopen(a[6], "wb");
+    if (!f || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
+        fprintf(stderr, "cannot write %s\n", a[6]);
+        return 2;
+    }
+    fclose(f);
+    return 0;
 }
 
 template <typename block_q, short BITS, short QK>
@@ -151,6 +208,9 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "fa: no kernel for %s at head size %d\n", kv.c_str(), d);
         return 2;
     }
+    if (argc == 9 && std::string(argv[1]) == "mul_mv") {
+        return mul_mv(argv + 2);
+    }
     if (argc == 8 && std::string(argv[1]) == "set_rows") {
         const std::string type = argv[2];
         const int n_rows = atoi(argv[3]), ne00 = atoi(argv[4]), order = atoi(argv[5]);
@@ -193,6 +253,8 @@ int main(int argc, char ** argv) {
         get_rows<block_isoquant3_64, 3, QK_ISO64>(n_rows, ne00, order, src, out);
     } else if (type == "isoquant4_64") {
         get_rows<block_isoquant4_64, 4, QK_ISO64>(n_rows, ne00, order, src, out);
+    } else if (type == "itq3_s") {
+        get_rows_itq3(n_rows, ne00, order, src, out);
     } else {
         fprintf(stderr, "unknown type %s\n", type.c_str());
         return 2;

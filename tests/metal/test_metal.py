@@ -1,4 +1,5 @@
-"""Our Metal kernels (ggml-patches/src/metal) run here as C++: tests/metal/shim/metal_stdlib stands in for Metal's
+"""Our Metal kernels (ggml-patches/src/metal: IsoQuant GET_ROWS, SET_ROWS and fused flash attention; ITQ3_S GET_ROWS
+and mul_mv) run here as C++: tests/metal/shim/metal_stdlib stands in for Metal's
 standard library (vector types, half, simd_* ops, threadgroup_barrier) and runs each thread of a threadgroup as a
 fiber, lanes in two orders. Checked against ggml's C reference bit for bit (the kernels keep its float operations
 and order), on the row counts and widths test-backend-ops uses for GET_ROWS; deliberately broken builds (a wrong
@@ -100,6 +101,11 @@ def test_broken_kernels_are_caught(broken, tmp_path, upstream_tree):
     for kt, vt, d in (FA_CASES[0], FA_CASES[4]):
         errs = [_nmse(*_fa(exe, kt, vt, d, 1, 4, 2, 64, order, seed=7, tmp=tmp_path)[:2]) for order in (0, 1)]
         assert max(errs) > 1e-3, (broken, kt, errs)
+    # ITQ3_S: the shuffle of the WHT-256 (both kernels), the barrier after the activations' rotation (mul_mv)
+    r = [_itq3(exe, 9, 768, 2, order, seed=3, tmp=tmp_path) for order in (0, 1)]
+    assert max(_nmse(x["mv"], x["mv_ref"]) for x in r) > 1e-3, broken
+    if broken == "RQ_MTL_BREAK_SHUFFLE":
+        assert not any(np.array_equal(x["rows"], x["rows_ref"]) for x in r)
 
 
 @pytest.mark.parametrize("t", ISO_TYPES)
@@ -181,6 +187,39 @@ def test_fused_attention_is_attention_over_the_dequantised_cache(harness, kt, vt
             got, ref, err = _fa(harness, kt, vt, d, n_q, 4, 2, n_kv, order, seed=d + n_kv, tmp=tmp_path)
             assert not err, err
             assert _nmse(got, ref) < 1e-10, (kt, vt, d, n_q, order, _nmse(got, ref))
+
+
+def _itq3(exe: Path, n_rows: int, width: int, n_cols: int, order: int, seed: int, tmp: Path) -> dict:
+    """ITQ3_S GET_ROWS (bits, ggml's) and mul_mv (the kernel's X W^T, float64 over ggml's dequantised W)."""
+    rng = np.random.default_rng(seed)
+    tid = bindings.type_from_name("itq3_s")
+    w = (rng.standard_normal((n_rows, width)) * rng.uniform(0.01, 3.0, (n_rows, 1))).astype(np.float32)
+    q = bindings.quantize(w, tid)
+    wd = bindings.dequantize(q, tid, width)
+    x = rng.standard_normal((n_cols, width)).astype(np.float32)
+    (tmp / "w.bin").write_bytes(q.tobytes())
+    (tmp / "x.bin").write_bytes(x.tobytes())
+    out = {"rows_ref": wd[::-1], "mv_ref": x.astype(np.float64) @ wd.astype(np.float64).T}
+    for what, argv, shape in (
+            ("rows", ["get_rows", "itq3_s", str(n_rows), str(width), str(order), str(tmp / "w.bin")], (n_rows, width)),
+            ("mv", ["mul_mv", str(n_rows), str(width), str(n_cols), str(order), str(tmp / "w.bin"), str(tmp / "x.bin")],
+             (n_cols, n_rows))):
+        proc = subprocess.run([str(exe), *argv, str(tmp / "o.bin")], capture_output=True, text=True, timeout=300)
+        out[what] = (np.fromfile(tmp / "o.bin", dtype=np.float32).reshape(shape) if proc.returncode == 0
+                     else np.full(shape, np.nan, np.float32))
+        out[what + "_err"] = proc.stderr
+    return out
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_itq3_s_rows_and_matrix_vector_product(harness, order, tmp_path):
+    # GET_ROWS bit for bit (the C reference's operations and order); mul_mv on rotated F32 activations against float64
+    # X W^T over ggml's dequantised weights (measured NMSE 2e-14; bound 1e-10). 9 rows: a partial row group
+    for n_rows, width, n_cols in ((9, 768, 3), (16, 256, 1)):
+        r = _itq3(harness, n_rows, width, n_cols, order, seed=width, tmp=tmp_path)
+        assert not r["rows_err"] and not r["mv_err"], r["rows_err"] + r["mv_err"]
+        assert np.array_equal(r["rows"].view(np.uint32), r["rows_ref"].view(np.uint32))
+        assert _nmse(r["mv"], r["mv_ref"]) < 1e-10, _nmse(r["mv"], r["mv_ref"])
 
 
 def test_emulation_refuses_a_barrier_some_threads_skip(tmp_path):

@@ -1,0 +1,151 @@
+// RotaryQuant ITQ3_S on Metal: GET_ROWS (dequantise) and the matrix-vector product on rotated activations, in
+// ggml-metal's style. A 256-weight block is 3-bit codes on a shared grid in the Walsh-Hadamard domain:
+// w = S * FWHT256(d*grid[q] + m) (S: the fixed signs, FWHT256 normalised by 1/16). On a simdgroup lane l holds block
+// values 8l..8l+7: the butterflies h = 1, 2, 4 stay in the lane, h = 8 .. 128 pair lane l with lane l ^ h/8.
+// mul_mv never dequantises: <w, x> = <d*grid[q] + m, FWHT256(S*x)>, so each activation block is rotated once per
+// threadgroup and every row dots its codes against it (F32 activations; the CPU's Q8_ITQ codes are a CPU choice).
+//
+// Never compiled by Apple's compiler here: tests/metal runs this source as C++ under an emulation of threadgroups,
+// simdgroups and barriers, against ggml's C reference.
+
+#include <metal_stdlib>
+#include "ggml-metal-impl.h"
+#include "rq-itq3-tables.h"
+
+using namespace metal;
+
+#ifndef N_SIMDWIDTH
+#define N_SIMDWIDTH 32
+#endif
+
+#define QK_ITQ 256
+
+typedef struct {
+    half    d;
+    half    m;
+    uint8_t qs[QK_ITQ/4];
+    uint8_t qh[QK_ITQ/8];
+} block_itq3_s;
+static_assert(sizeof(block_itq3_s) == 4 + QK_ITQ/4 + QK_ITQ/8, "wrong itq3_s block size/padding");
+
+// code of value i: low 2 bits in qs[i & 63] at 2*(i >> 6), high bit in qh[i & 31] at i >> 5
+static inline short rq_itq3_code(device const block_itq3_s * x, short i) {
+    return ((x->qs[i & 63] >> (2*(i >> 6))) & 3) | (((x->qh[i & 31] >> (i >> 5)) & 1) << 2);
+}
+
+// the unnormalised WHT-256 of the 8 values v[0..7] = block values 8*lane + 0..7
+static inline void rq_itq3_wht(thread float * v, ushort lane) {
+    for (short h = 1; h < 8; h <<= 1) {
+        for (short i = 0; i < 8; i += 2*h) {
+            for (short j = i; j < i + h; ++j) {
+                const float a = v[j], b = v[j + h];
+                v[j]     = a + b;
+                v[j + h] = a - b;
+            }
+        }
+    }
+    for (ushort h = 1; h < N_SIMDWIDTH; h <<= 1) {
+        for (short j = 0; j < 8; ++j) {
+#if defined(RQ_MTL_BREAK_SHUFFLE)
+            const float o = simd_shuffle_xor(v[j], (ushort) (h == 4 ? 5 : h)); // deliberately wrong partner
+#else
+            const float o = simd_shuffle_xor(v[j], h);
+#endif
+            v[j] = (lane & h) ? o - v[j] : v[j] + o;
+        }
+    }
+}
+
+// GET_ROWS on upstream's kernel_get_rows_q grid: threadgroup (i10, i11, i12), one simdgroup per row
+kernel void kernel_get_rows_itq3_s(
+        constant ggml_metal_kargs_get_rows & args,
+        device const void * src0,
+        device const void * src1,
+        device       void * dst,
+        uint3               tgpig[[threadgroup_position_in_grid]],
+        ushort              tiisg[[thread_index_in_simdgroup]]) {
+    const int32_t i10 = tgpig.x;
+    const int32_t i11 = tgpig.y;
+    const int32_t i12 = tgpig.z;
+
+    const int32_t r = ((const device int32_t *) ((const device char *) src1 + i12*args.nb12 + i11*args.nb11 + i10*args.nb10))[0];
+
+    device const block_itq3_s * x = (device const block_itq3_s *) ((device const char *) src0 + i12*args.nb03 + i11*args.nb02 + r*args.nb01);
+    device       float        * y = (device float *) ((device char *) dst + i12*args.nb3 + i11*args.nb2 + i10*args.nb1);
+
+    for (int ib = 0; ib < args.ne00/QK_ITQ; ++ib) {
+        const float d = (float) x[ib].d;
+        const float m = (float) x[ib].m;
+        float v[8];
+        for (short k = 0; k < 8; ++k) {
+            v[k] = d*(float) itq3_grid[rq_itq3_code(x + ib, 8*tiisg + k)] + m;
+        }
+        rq_itq3_wht(v, tiisg);
+        for (short k = 0; k < 8; ++k) {
+            y[ib*QK_ITQ + 8*tiisg + k] = (v[k]*0.0625f)*itq3_signs[8*tiisg + k];
+        }
+    }
+}
+
+// dst = W x for F32 activations: threadgroup (row group, i11, i12) of NSG simdgroups, each taking NR consecutive
+// rows; the activation's rotated blocks (ne00 floats) go to threadgroup memory first, rotated by the simdgroups
+// in turn (block b by simdgroup b % NSG)
+template <short NSG, short NR>
+kernel void kernel_mul_mv_itq3_s_f32(
+        constant ggml_metal_kargs_mul_mv & args,
+        device const char * src0,
+        device const char * src1,
+        device       char * dst,
+        threadgroup float * shmem [[threadgroup(0)]],
+        uint3  tgpig[[threadgroup_position_in_grid]],
+        ushort tiisg[[thread_index_in_simdgroup]],
+        ushort sgitg[[simdgroup_index_in_threadgroup]]) {
+    const int nb = args.ne00/QK_ITQ;
+    const int i11 = tgpig.y;
+    const int i12 = tgpig.z%args.ne12;
+    const int i13 = tgpig.z/args.ne12;
+
+    device const float * x = (device const float *) (src1 + i11*args.nb11 + i12*args.nb12 + i13*args.nb13);
+    for (int ib = sgitg; ib < nb; ib += NSG) {
+        float v[8];
+        for (short k = 0; k < 8; ++k) {
+            v[k] = x[ib*QK_ITQ + 8*tiisg + k]*itq3_signs[8*tiisg + k];
+        }
+        rq_itq3_wht(v, tiisg);
+        for (short k = 0; k < 8; ++k) {
+            shmem[ib*QK_ITQ + 8*tiisg + k] = v[k]*0.0625f;
+        }
+    }
+#if !defined(RQ_MTL_BREAK_BARRIER)
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+#endif
+
+    const int i02 = i12/args.r2;
+    const int i03 = i13/args.r3;
+    device float * y = (device float *) dst + (int64_t) i13*args.ne0*args.ne1*args.ne12 + (int64_t) i12*args.ne0*args.ne1 + (int64_t) i11*args.ne0;
+
+    for (short ir = 0; ir < NR; ++ir) {
+        const int i01 = (tgpig.x*NSG + sgitg)*NR + ir;
+        if (i01 >= args.ne01) {
+            break;   // uniform over the simdgroup
+        }
+        device const block_itq3_s * w = (device const block_itq3_s *) (src0 + i01*args.nb01 + i02*args.nb02 + i03*args.nb03);
+        float sum = 0.0f;
+        for (int ib = 0; ib < nb; ++ib) {
+            const float d = (float) w[ib].d;
+            const float m = (float) w[ib].m;
+            threadgroup const float * xr = shmem + ib*QK_ITQ + 8*tiisg;
+            for (short k = 0; k < 8; ++k) {
+                sum += (d*(float) itq3_grid[rq_itq3_code(w + ib, 8*tiisg + k)] + m)*xr[k];
+            }
+        }
+        sum = simd_sum(sum);
+        if (tiisg == 0) {
+            y[i01] = sum;
+        }
+    }
+}
+
+typedef decltype(kernel_mul_mv_itq3_s_f32<4, 2>) mul_mv_itq3_t;
+
+template [[host_name("kernel_mul_mv_itq3_s_f32")]] kernel mul_mv_itq3_t kernel_mul_mv_itq3_s_f32<4, 2>;
