@@ -593,6 +593,9 @@ bool ggml_rq_cuda_fattn_supported(int device, const ggml_tensor * dst) {
     if (!k_iso && !v_iso) {
         return false;
     }
+    if (dst->src[5]) {
+        return false; // exact F16 rows (the recent window, ggml_rq_flash_attn_ext_set_exact): CPU kernel only
+    }
     if ((!k_iso && !rq_fa_other_type_ok(K)) || (!v_iso && !rq_fa_other_type_ok(V))) {
         return false;
     }

@@ -82,6 +82,9 @@ int ggml_vk_rq_supports_op(const vk_device & device, const ggml_tensor * op) {
             const ggml_tensor * v = op->src[2];
             const ggml_tensor * mask  = op->src[3];
             const ggml_tensor * sinks = op->src[4];
+            if (op->src[5]) {
+                return 0;   // exact F16 rows (the recent window): the CPU kernel only
+            }
             const int kc = rq_vk_fa_code(k->type), vc = rq_vk_fa_code(v->type);
             const int64_t kqk = ggml_blck_size(k->type), vqk = ggml_blck_size(v->type);
             return kc >= 0 && vc >= 0 && src0->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
