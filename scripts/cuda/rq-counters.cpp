@@ -1,11 +1,11 @@
 // rq-counters: which IsoQuant attention path ran on the GPU, read from the RotaryQuant counters.
 //
-//   rq-counters MODEL.gguf [n_prompt=256] [n_gen=32] [cuda|vulkan]
+//   rq-counters MODEL.gguf [n_prompt=256] [n_gen=32] [cuda|vulkan|metal]
 //
 // Runs a prompt and n_gen single-token decode steps with an isoquant3_0 K/V cache on the GPU, once
 // fused and once unfused (--isoquant-unfused), and prints the counters of the prompt and of the decode
 // steps separately. Expected: fused -> iso_dequant_rows == 0 and the GPU backend's fused calls > 0
-// (ggml_rq_cuda_fused_calls / ggml_rq_vk_fused_calls); unfused -> iso_dequant_rows > 0 (the K/V casts to
+// (ggml_rq_cuda_fused_calls / ggml_rq_vk_fused_calls / ggml_rq_metal_fused_calls); unfused -> iso_dequant_rows > 0 (the K/V casts to
 // F16). Exit status 1 if that does not hold.
 // CUDA graphs are disabled (GGML_CUDA_DISABLE_GRAPHS=1): host-side counters only see launches, and a
 // replayed graph launches nothing from the host.
@@ -36,7 +36,8 @@ static const char * g_backend = "cuda";
 static uint64_t gpu_fused_calls() {
     using fn_t = uint64_t (*)(void);
     static fn_t fn = (fn_t) dlsym(RTLD_DEFAULT, strcmp(g_backend, "vulkan") == 0 ? "ggml_rq_vk_fused_calls"
-                                                                                   : "ggml_rq_cuda_fused_calls");
+                                              : strcmp(g_backend, "metal") == 0  ? "ggml_rq_metal_fused_calls"
+                                                                                 : "ggml_rq_cuda_fused_calls");
     return fn ? fn() : UINT64_MAX;
 }
 
@@ -117,7 +118,7 @@ static bool run(llama_model * model, bool unfused, int n_prompt, int n_gen) {
 
 int main(int argc, char ** argv) {
     if (argc < 2) {
-        fprintf(stderr, "usage: %s MODEL.gguf [n_prompt] [n_gen] [cuda|vulkan]\n", argv[0]);
+        fprintf(stderr, "usage: %s MODEL.gguf [n_prompt] [n_gen] [cuda|vulkan|metal]\n", argv[0]);
         return 2;
     }
     setenv("GGML_CUDA_DISABLE_GRAPHS", "1", 1);

@@ -13,11 +13,19 @@
 //     ggml's FLASH_ATTN_EXT layouts: Q F32 [D, N_Q, N_HEAD], K/V packed rows [D, N_KV, N_HEAD_KV], MASK F16
 //     [N_KV, N_Q]; OUT F32 [D, N_HEAD, N_Q].
 
+#if defined(RQ_MTL_FLAT)
+#include "rq.metal"          // the library source the build makes (rq-metal-flatten.cmake), as ggml-metal compiles it
+#else
 #include "rq-iso.metal"
 #include "rq-iso-fa.metal"
 #include "rq-itq3.metal"
+#endif
 
 #include <string>
+
+#ifndef RQ_MTL_MV_CH
+#define RQ_MTL_MV_CH 16   // blocks per threadgroup-memory chunk in mul_mv (as the host instantiates it)
+#endif
 
 static std::vector<unsigned char> read_all(const char * path) {
     FILE * f = fopen(path, "rb");
@@ -99,7 +107,7 @@ static int mul_mv(char ** a) {
         fprintf(stderr, "mul_mv: input sizes do not match the shape\n");
         return 2;
     }
-    constexpr int NSG = 4, NR = 2;
+    constexpr int NSG = 4, NR = 2, CH = RQ_MTL_MV_CH;
     ggml_metal_kargs_mul_mv args = {};
     args.ne00 = ne00; args.ne01 = n_rows; args.ne02 = 1;
     args.nb00 = sizeof(block_itq3_s); args.nb01 = row_bytes; args.nb02 = row_bytes*n_rows; args.nb03 = args.nb02;
@@ -109,8 +117,8 @@ static int mul_mv(char ** a) {
     const int n_tg = (n_rows + NSG*NR - 1)/(NSG*NR);
     std::vector<float> out((size_t) n_rows*n_cols, NAN);
     std::vector<unsigned char> shmem;
-    rq_mtl::dispatch((unsigned) (n_tg*n_cols), NSG*N_SIMDWIDTH, sizeof(float)*ne00, shmem, [&](unsigned g, unsigned tid) {
-        kernel_mul_mv_itq3_s_f32<NSG, NR>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
+    rq_mtl::dispatch((unsigned) (n_tg*n_cols), NSG*N_SIMDWIDTH, sizeof(float)*QK_ITQ*std::min(CH, ne00/QK_ITQ), shmem, [&](unsigned g, unsigned tid) {
+        kernel_mul_mv_itq3_s_f32<NSG, NR, CH>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
             (float *) shmem.data(), metal::uint3(g % n_tg, g / n_tg, 0), (metal::ushort) (tid % N_SIMDWIDTH),
             (metal::ushort) (tid / N_SIMDWIDTH));
     }, order);

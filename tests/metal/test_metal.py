@@ -211,12 +211,19 @@ def _itq3(exe: Path, n_rows: int, width: int, n_cols: int, order: int, seed: int
     return out
 
 
+@pytest.fixture(scope="module")
+def harness_ch2(tmp_path_factory, upstream_tree) -> Path:
+    # mul_mv's activation chunks of 2 blocks (the host's 16 need rows over 4096 wide to show)
+    return _build(tmp_path_factory.mktemp("metal_ch2"), upstream_tree, "RQ_MTL_MV_CH=2")
+
+
 @pytest.mark.parametrize("order", [0, 1])
-def test_itq3_s_rows_and_matrix_vector_product(harness, order, tmp_path):
+def test_itq3_s_rows_and_matrix_vector_product(harness, harness_ch2, order, tmp_path):
     # GET_ROWS bit for bit (the C reference's operations and order); mul_mv on rotated F32 activations against float64
-    # X W^T over ggml's dequantised weights (measured NMSE 2e-14; bound 1e-10). 9 rows: a partial row group
-    for n_rows, width, n_cols in ((9, 768, 3), (16, 256, 1)):
-        r = _itq3(harness, n_rows, width, n_cols, order, seed=width, tmp=tmp_path)
+    # X W^T over ggml's dequantised weights (measured NMSE 2e-14; bound 1e-10). 9 rows: a partial row group; 768
+    # wide with 2-block chunks: a partial chunk
+    for exe, (n_rows, width, n_cols) in ((harness, (9, 768, 3)), (harness, (16, 256, 1)), (harness_ch2, (9, 768, 2))):
+        r = _itq3(exe, n_rows, width, n_cols, order, seed=width, tmp=tmp_path)
         assert not r["rows_err"] and not r["mv_err"], r["rows_err"] + r["mv_err"]
         assert np.array_equal(r["rows"].view(np.uint32), r["rows_ref"].view(np.uint32))
         assert _nmse(r["mv"], r["mv_ref"]) < 1e-10, _nmse(r["mv"], r["mv_ref"])
@@ -244,6 +251,66 @@ int main() {
                     "-o", str(exe)], check=True, capture_output=True, timeout=300)
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3 and "returned while others wait at a threadgroup_barrier" in proc.stderr, proc.stderr
+
+
+def test_the_library_source_the_build_makes_runs(tmp_path, upstream_tree):
+    # kernels/rq.metal as rq-metal.cmake writes it on a Mac (our headers inlined, after upstream's common.h): it must
+    # be complete on its own, and name every kernel rq-metal.cpp asks the library for
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        pytest.skip("no cmake")
+    src = tmp_path / "src"
+    src.mkdir()
+    subprocess.run([cmake, f"-DRQ_METAL_DIR={METAL_SRC}", f"-DOUT={src / 'rq.metal.orig'}", "-P",
+                    str(METAL_SRC / "rq-metal-flatten.cmake")], check=True, capture_output=True, timeout=120)
+    text = (src / "rq.metal.orig").read_text()
+    assert text.count('#include "') == 1 and '#include "common.h"' in text    # nothing else left to resolve
+    (src / "rq.metal").write_text(re.sub(r"\[\[threadgroup\((\d+)\)\]\]", r"/* [[threadgroup(\1)]] */", text))
+    # upstream's common.h: metal_stdlib, ggml-metal-impl.h, N_SIMDWIDTH
+    (src / "common.h").write_text('#pragma once\n#include <metal_stdlib>\n#include "ggml-metal-impl.h"\n'
+                                  "using namespace metal;\n#define N_SIMDWIDTH 32\n")
+    impl = upstream_tree / "vendor" / "llama.cpp" / "ggml" / "src" / "ggml-metal"
+    exe = tmp_path / "run_flat"
+    proc = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wno-attributes", "-DRQ_MTL_FLAT",
+                           "-I", str(src), "-I", str(HERE / "shim"), "-I", str(impl), str(HERE / "run_kernels.cpp"),
+                           "-o", str(exe)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got, ref, err = _get_rows(exe, "isoquant3_0", _rows(3, 256, seed=2), 0, tmp_path)
+    assert not err and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    got, ref, err = _fa(exe, "isoquant3_0", "isoquant3_0", 128, 1, 4, 2, 64, 0, seed=2, tmp=tmp_path)
+    assert not err and _nmse(got, ref) < 1e-10
+    r = _itq3(exe, 9, 768, 1, 0, seed=2, tmp=tmp_path)
+    assert _nmse(r["mv"], r["mv_ref"]) < 1e-10
+    # the names rq-metal.cpp builds: kernel_get_rows_<type>, kernel_set_rows_<type>_<i64|i32>,
+    # kernel_flash_attn_ext_iso_<K>_<V>_dk<D> for what rq_fa_instantiated accepts, kernel_mul_mv_itq3_s_f32
+    host = (METAL_SRC / "rq-metal.cpp").read_text()
+    names = {f"kernel_get_rows_{t}" for t in (*ISO_TYPES, "itq3_s")}
+    names |= {f"kernel_set_rows_{t}_{i}" for t in ISO_TYPES for i in ("i64", "i32")}
+    names |= {f"kernel_flash_attn_ext_iso_{k}_{v}_dk{d}" for k, v, d in FA_CASES}
+    names.add("kernel_mul_mv_itq3_s_f32")
+    for name in sorted(names):
+        assert (f'host_name("{name}")' in text or f'RQ_FA_ISO("{name}",' in text     # a template's instance
+                or f"kernel void {name}(" in text), name                                # a plain kernel
+    fa = re.search(r"bool rq_fa_instantiated.*?\n}\n", host, re.S).group(0)
+    for k, v, d in FA_CASES:
+        assert f"case {d}:" in fa and f"GGML_TYPE_{k.upper()} && v == GGML_TYPE_{v.upper()}" in fa, (k, v, d)
+
+
+def test_host_side_compiles(upstream_tree):
+    # what of the host side is plain C++ (patch 0013's ggml-metal-ops.cpp hook, rq-metal.cpp) compiles here against
+    # the pinned tree; ggml-metal-device.m is Objective-C (no compiler for it here): its two hooks are checked by text
+    ggml = upstream_tree / "vendor" / "llama.cpp" / "ggml"
+    inc = ["-I", str(ggml / "include"), "-I", str(ggml / "src"), "-I", str(ggml / "src" / "ggml-metal")]
+    for src in (ggml / "src" / "ggml-metal" / "ggml-metal-ops.cpp", METAL_SRC / "rq-metal.cpp"):
+        proc = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", "-Wall", "-DGGML_RQ_METAL", *inc, str(src)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "error" not in proc.stderr, (src.name, proc.stderr[-3000:])
+    ops = (ggml / "src" / "ggml-metal" / "ggml-metal-ops.cpp").read_text()
+    assert "if (ggml_metal_rq_encode(ctx->lib, ctx->enc, node))" in ops
+    dev = (ggml / "src" / "ggml-metal" / "ggml-metal-device.m").read_text()
+    assert "#define GGML_METAL_LIBS_RQ X(RQ, rq)" in dev and "    GGML_METAL_LIBS_RQ\n" in dev
+    assert "ggml_metal_rq_supports_op(&dev->props, op)" in dev
+    assert "rq-metal.cmake" in (ggml / "src" / "ggml-metal" / "CMakeLists.txt").read_text()
 
 
 def test_metal_tables_are_generated_from_the_c_tables():

@@ -139,13 +139,14 @@ kernel void kernel_flash_attn_ext_iso(
 }
 
 #define RQ_FA_ISO(name, bk, kb, bv, vb, d, qk) \
-    template [[host_name("kernel_flash_attn_ext_iso_" name)]] kernel fa_iso_t kernel_flash_attn_ext_iso<bk, kb, bv, vb, d, qk, 4, true>;
+    template [[host_name(name)]] kernel fa_iso_t kernel_flash_attn_ext_iso<bk, kb, bv, vb, d, qk, 4, true>;
 
 typedef decltype(kernel_flash_attn_ext_iso<block_isoquant3_0, 3, block_isoquant3_0, 3, 128, QK_ISO, 4, true>) fa_iso_t;
 
-RQ_FA_ISO("isoquant3_0_isoquant3_0_dk128",   block_isoquant3_0,  3, block_isoquant3_0,  3, 128, QK_ISO)
-RQ_FA_ISO("isoquant4_0_isoquant3_0_dk128",   block_isoquant4_0,  4, block_isoquant3_0,  3, 128, QK_ISO)
-RQ_FA_ISO("isoquant4_0_isoquant4_0_dk128",   block_isoquant4_0,  4, block_isoquant4_0,  4, 128, QK_ISO)
-RQ_FA_ISO("isoquant3_0_isoquant3_0_dk256",   block_isoquant3_0,  3, block_isoquant3_0,  3, 256, QK_ISO)
-RQ_FA_ISO("isoquant3_64_isoquant3_64_dk64",  block_isoquant3_64, 3, block_isoquant3_64, 3,  64, QK_ISO64)
-RQ_FA_ISO("isoquant4_64_isoquant4_64_dk64",  block_isoquant4_64, 4, block_isoquant4_64, 4,  64, QK_ISO64)
+// names as rq-metal.cpp builds them: kernel_flash_attn_ext_iso_<K type>_<V type>_dk<head size>
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant3_0_isoquant3_0_dk128",  block_isoquant3_0,  3, block_isoquant3_0,  3, 128, QK_ISO)
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant4_0_isoquant3_0_dk128",  block_isoquant4_0,  4, block_isoquant3_0,  3, 128, QK_ISO)
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant4_0_isoquant4_0_dk128",  block_isoquant4_0,  4, block_isoquant4_0,  4, 128, QK_ISO)
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant3_0_isoquant3_0_dk256",  block_isoquant3_0,  3, block_isoquant3_0,  3, 256, QK_ISO)
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant3_64_isoquant3_64_dk64", block_isoquant3_64, 3, block_isoquant3_64, 3,  64, QK_ISO64)
+RQ_FA_ISO("kernel_flash_attn_ext_iso_isoquant4_64_isoquant4_64_dk64", block_isoquant4_64, 4, block_isoquant4_64, 4,  64, QK_ISO64)

@@ -88,9 +88,9 @@ kernel void kernel_get_rows_itq3_s(
 }
 
 // dst = W x for F32 activations: threadgroup (row group, i11, i12) of NSG simdgroups, each taking NR consecutive
-// rows; the activation's rotated blocks (ne00 floats) go to threadgroup memory first, rotated by the simdgroups
-// in turn (block b by simdgroup b % NSG)
-template <short NSG, short NR>
+// rows. The activation's rotated blocks go through threadgroup memory CH blocks at a time (CH*1 KiB; Metal allows
+// 32 KiB), rotated by the simdgroups in turn (block b by simdgroup b % NSG), each row keeping its partial sum
+template <short NSG, short NR, short CH>
 kernel void kernel_mul_mv_itq3_s_f32(
         constant ggml_metal_kargs_mul_mv & args,
         device const char * src0,
@@ -100,52 +100,58 @@ kernel void kernel_mul_mv_itq3_s_f32(
         uint3  tgpig[[threadgroup_position_in_grid]],
         ushort tiisg[[thread_index_in_simdgroup]],
         ushort sgitg[[simdgroup_index_in_threadgroup]]) {
-    const int nb = args.ne00/QK_ITQ;
+    const int nb  = args.ne00/QK_ITQ;
     const int i11 = tgpig.y;
     const int i12 = tgpig.z%args.ne12;
     const int i13 = tgpig.z/args.ne12;
-
-    device const float * x = (device const float *) (src1 + i11*args.nb11 + i12*args.nb12 + i13*args.nb13);
-    for (int ib = sgitg; ib < nb; ib += NSG) {
-        float v[8];
-        for (short k = 0; k < 8; ++k) {
-            v[k] = x[ib*QK_ITQ + 8*tiisg + k]*itq3_signs[8*tiisg + k];
-        }
-        rq_itq3_wht(v, tiisg);
-        for (short k = 0; k < 8; ++k) {
-            shmem[ib*QK_ITQ + 8*tiisg + k] = v[k]*0.0625f;
-        }
-    }
-#if !defined(RQ_MTL_BREAK_BARRIER)
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-#endif
-
     const int i02 = i12/args.r2;
     const int i03 = i13/args.r3;
-    device float * y = (device float *) dst + (int64_t) i13*args.ne0*args.ne1*args.ne12 + (int64_t) i12*args.ne0*args.ne1 + (int64_t) i11*args.ne0;
+    const int r0  = (tgpig.x*NSG + sgitg)*NR;   // this simdgroup's first row
 
+    device const float * x = (device const float *) (src1 + i11*args.nb11 + i12*args.nb12 + i13*args.nb13);
+
+    float sums[NR];
     for (short ir = 0; ir < NR; ++ir) {
-        const int i01 = (tgpig.x*NSG + sgitg)*NR + ir;
-        if (i01 >= args.ne01) {
-            break;   // uniform over the simdgroup
-        }
-        device const block_itq3_s * w = (device const block_itq3_s *) (src0 + i01*args.nb01 + i02*args.nb02 + i03*args.nb03);
-        float sum = 0.0f;
-        for (int ib = 0; ib < nb; ++ib) {
-            const float d = (float) w[ib].d;
-            const float m = (float) w[ib].m;
-            threadgroup const float * xr = shmem + ib*QK_ITQ + 8*tiisg;
+        sums[ir] = 0.0f;
+    }
+    for (int c0 = 0; c0 < nb; c0 += CH) {
+        const int c1 = min(nb, c0 + CH);
+        for (int ib = c0 + sgitg; ib < c1; ib += NSG) {
+            float v[8];
             for (short k = 0; k < 8; ++k) {
-                sum += (d*(float) itq3_grid[rq_itq3_code(w + ib, 8*tiisg + k)] + m)*xr[k];
+                v[k] = x[ib*QK_ITQ + 8*tiisg + k]*itq3_signs[8*tiisg + k];
+            }
+            rq_itq3_wht(v, tiisg);
+            for (short k = 0; k < 8; ++k) {
+                shmem[(ib - c0)*QK_ITQ + 8*tiisg + k] = v[k]*0.0625f;
             }
         }
-        sum = simd_sum(sum);
+#if !defined(RQ_MTL_BREAK_BARRIER)
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+#endif
+        for (short ir = 0; ir < NR && r0 + ir < args.ne01; ++ir) {
+            device const block_itq3_s * w = (device const block_itq3_s *) (src0 + (r0 + ir)*args.nb01 + i02*args.nb02 + i03*args.nb03);
+            for (int ib = c0; ib < c1; ++ib) {
+                const float d = (float) w[ib].d;
+                const float m = (float) w[ib].m;
+                threadgroup const float * xr = shmem + (ib - c0)*QK_ITQ + 8*tiisg;
+                for (short k = 0; k < 8; ++k) {
+                    sums[ir] += (d*(float) itq3_grid[rq_itq3_code(w + ib, 8*tiisg + k)] + m)*xr[k];
+                }
+            }
+        }
+        threadgroup_barrier(mem_flags::mem_threadgroup);   // the next chunk overwrites shmem
+    }
+
+    device float * y = (device float *) dst + (int64_t) i13*args.ne0*args.ne1*args.ne12 + (int64_t) i12*args.ne0*args.ne1 + (int64_t) i11*args.ne0;
+    for (short ir = 0; ir < NR && r0 + ir < args.ne01; ++ir) {
+        const float sum = simd_sum(sums[ir]);
         if (tiisg == 0) {
-            y[i01] = sum;
+            y[r0 + ir] = sum;
         }
     }
 }
 
-typedef decltype(kernel_mul_mv_itq3_s_f32<4, 2>) mul_mv_itq3_t;
+typedef decltype(kernel_mul_mv_itq3_s_f32<4, 2, 16>) mul_mv_itq3_t;
 
-template [[host_name("kernel_mul_mv_itq3_s_f32")]] kernel mul_mv_itq3_t kernel_mul_mv_itq3_s_f32<4, 2>;
+template [[host_name("kernel_mul_mv_itq3_s_f32")]] kernel mul_mv_itq3_t kernel_mul_mv_itq3_s_f32<4, 2, 16>;
