@@ -80,15 +80,18 @@ def bits(cache: str) -> float:
     raise KeyError(f"no KV bytes for {cache}")
 
 
-def needles(name: str, cache: str, ctx: int = DEPTH) -> str:
-    rows = [r for r in load(name)["rows"] if r["cache"] == cache and r["ctx"] == ctx]
+def needles(name: str | tuple[str, ...], cache: str, ctx: int = DEPTH) -> str:
+    """found/asked for one cache at one context, over one results file or several (one depth each)."""
+    names = (name,) if isinstance(name, str) else name
+    rows = [r for n in names for r in load(n)["rows"] if r["cache"] == cache and r["ctx"] == ctx]
     if not rows:
-        raise KeyError(f"{name}.json: no rows for {cache!r} at ctx {ctx}")
+        raise KeyError(f"{names}: no rows for {cache!r} at ctx {ctx}")
     return f"{sum(r['found'] for r in rows)}/{sum(r['asked'] for r in rows)}"
 
 
 ALLOC_W = "isoquant3_0@model+w16+calib"  # the per-layer types rq-calibrate --kv-bits stored, with the recent window
 N_NIAH = 24                         # needles asked at one context (8 per depth x 3 depths)
+QWEN_16K = ("niah-16k-qwen-window", "niah-16k-qwen-window-b", "niah-16k-qwen-window-c")  # one depth each
 
 
 def decode_kld(name: str, cache: str, prefill: int = DEPTH) -> float:
@@ -202,7 +205,8 @@ def kv_rows() -> list[tuple[str, ...]]:
                     "works as downloaded: the library measures K statistics once per model load³; needles at 8K "
                     "with `--kv-deferred` "
                     f"{needles('niah-8k-gemma3-window', 'isoquant3_0+w16+self deferred')} / "
-                    f"{needles('niah-8k-qwen-window', 'isoquant3_0+w16+self deferred')}; "
+                    f"{needles('niah-8k-qwen-window', 'isoquant3_0+w16+self deferred')}, Qwen at 16K "
+                    f"{needles(QWEN_16K, 'isoquant3_0+w16+self deferred', ctx=16384)}; "
                     f"with `--kv-window 0` {sig3(kld('kv-quality-self-gemma3', 'isoquant3_0+self'))} / {sig3(qself)}, "
                     f"needles at 8K {needles('niah-8k-gemma3', 'isoquant3_0+self')}")),
         ("KV `isoquant3_0` K and V, `--no-k-center --kv-window 0`", f"{bits('isoquant3_0'):g}",
