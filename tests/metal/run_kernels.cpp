@@ -7,6 +7,8 @@
 //     F32 dequantisation of IN row N_ROWS-1-i. ORDER: 0 runs each threadgroup's lanes forward, 1 in reverse.
 //   run_kernels set_rows TYPE N_ROWS NE00 ORDER IN OUT
 //     IN: N_ROWS F32 rows, written to rows N_ROWS-1 .. 0 of OUT (I64 row ids), packed as TYPE.
+//   run_kernels cpy SRC DST N_ROWS NE00 ORDER IN OUT
+//     CPY f32 -> TYPE or TYPE -> f32/f16 of N_ROWS rows; the source rows sit 64 bytes apart (a strided view).
 //   run_kernels get_rows itq3_s ... as above;  run_kernels mul_mv N_ROWS NE00 N_COLS ORDER W X OUT
 //     W: N_ROWS ITQ3_S rows; X: N_COLS F32 rows of NE00; OUT: F32 [N_COLS][N_ROWS] = X W^T.
 //   run_kernels fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT
@@ -21,6 +23,7 @@
 #include "rq-itq3.metal"
 #endif
 
+#include <cstring>
 #include <string>
 
 #ifndef RQ_MTL_MV_CH
@@ -132,6 +135,43 @@ static int mul_mv(char ** a) {
 }
 
 template <typename block_q, short BITS, short QK>
+static int cpy(const std::string & st, const std::string & dt, int n_rows, int ne00, int order,
+               const std::vector<unsigned char> & in, std::vector<unsigned char> & out) {
+    const bool quant = st == "f32";
+    const size_t qrow = (size_t) (ne00/QK)*sizeof(block_q);
+    const size_t esz  = dt == "f16" ? 2 : 4;
+    const size_t srow = quant ? sizeof(float)*ne00 : qrow;
+    const size_t drow = quant ? qrow : esz*ne00;
+    if (in.size() != srow*n_rows) {
+        fprintf(stderr, "cpy: input has %zu bytes, expected %zu\n", in.size(), srow*n_rows);
+        return 2;
+    }
+    const size_t stride = srow + 64;
+    std::vector<unsigned char> src(stride*n_rows, 0xcd);
+    for (int r = 0; r < n_rows; ++r) {
+        memcpy(src.data() + r*stride, in.data() + r*srow, srow);
+    }
+    out.assign(drow*n_rows, 0xee);
+    ggml_metal_kargs_cpy args = {};
+    args.nk0 = ne00/QK; args.ne00 = ne00; args.ne01 = n_rows; args.ne02 = 1; args.ne03 = 1;
+    args.nb00 = quant ? sizeof(float) : sizeof(block_q); args.nb01 = stride; args.nb02 = stride*n_rows; args.nb03 = args.nb02;
+    args.ne0 = ne00; args.ne1 = n_rows; args.ne2 = 1; args.ne3 = 1;
+    args.nb0 = quant ? sizeof(block_q) : esz; args.nb1 = drow; args.nb2 = drow*n_rows; args.nb3 = args.nb2;
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) n_rows, N_SIMDWIDTH, sizeof(block_q), shmem, [&](unsigned g, unsigned tid) {
+        const metal::uint3 tg(g, 0, 0);
+        if (quant) {
+            kernel_cpy_f32_iso<block_q, BITS, QK>(args, (const char *) src.data(), (char *) out.data(), tg, (metal::ushort) tid);
+        } else if (esz == 2) {
+            kernel_cpy_iso_t<block_q, BITS, QK, metal::half>(args, (const char *) src.data(), (char *) out.data(), shmem.data(), tg, (metal::ushort) tid);
+        } else {
+            kernel_cpy_iso_t<block_q, BITS, QK, float>(args, (const char *) src.data(), (char *) out.data(), shmem.data(), tg, (metal::ushort) tid);
+        }
+    }, order);
+    return 0;
+}
+
+template <typename block_q, short BITS, short QK>
 static void set_rows(int n_rows, int ne00, int order, const std::vector<unsigned char> & src, std::vector<unsigned char> & out) {
     const size_t row_bytes = (size_t) (ne00/QK)*sizeof(block_q);
     if (src.size() != sizeof(float)*ne00*n_rows) {
@@ -215,6 +255,28 @@ int main(int argc, char ** argv) {
         if (kv == "isoquant4_64/isoquant4_64" && d == 64) return fa<block_isoquant4_64, 4, block_isoquant4_64, 4, 64, QK_ISO64>(a, order);
         fprintf(stderr, "fa: no kernel for %s at head size %d\n", kv.c_str(), d);
         return 2;
+    }
+    if (argc == 9 && std::string(argv[1]) == "cpy") {
+        const std::string st = argv[2], dt = argv[3], t = st == "f32" ? dt : st;
+        const int n_rows = atoi(argv[4]), ne00 = atoi(argv[5]), order = atoi(argv[6]);
+        const std::vector<unsigned char> in = read_all(argv[7]);
+        std::vector<unsigned char> out;
+        int rc = 2;
+        if      (t == "isoquant3_0")  rc = cpy<block_isoquant3_0,  3, QK_ISO>  (st, dt, n_rows, ne00, order, in, out);
+        else if (t == "isoquant4_0")  rc = cpy<block_isoquant4_0,  4, QK_ISO>  (st, dt, n_rows, ne00, order, in, out);
+        else if (t == "isoquant3_64") rc = cpy<block_isoquant3_64, 3, QK_ISO64>(st, dt, n_rows, ne00, order, in, out);
+        else if (t == "isoquant4_64") rc = cpy<block_isoquant4_64, 4, QK_ISO64>(st, dt, n_rows, ne00, order, in, out);
+        else fprintf(stderr, "cpy: unknown type %s\n", t.c_str());
+        if (rc != 0) {
+            return rc;
+        }
+        FILE * f = fopen(argv[8], "wb");
+        if (!f || fwrite(out.data(), 1, out.size(), f) != out.size()) {
+            fprintf(stderr, "cannot write %s\n", argv[8]);
+            return 2;
+        }
+        fclose(f);
+        return 0;
     }
     if (argc == 9 && std::string(argv[1]) == "mul_mv") {
         return mul_mv(argv + 2);

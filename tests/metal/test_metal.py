@@ -131,6 +131,33 @@ def test_set_rows_packs_as_the_c_reference(harness, t, tmp_path):
         assert ((dg - dr) ** 2).sum() <= 1e-4 * (dr ** 2).sum()
 
 
+@pytest.mark.parametrize("t", ISO_TYPES)
+def test_cpy_both_ways(harness, t, tmp_path):
+    # CPY F32 -> type (as SET_ROWS: >= 99.5% identical blocks) and type -> F32 / F16 (bit for bit: ggml dequantises
+    # to F32, then rounds to F16 to nearest even), from source rows 64 bytes apart (a strided view)
+    n, width = 6, 256
+    x = _rows(n, width, seed=13)
+    tid = bindings.type_from_name(t)
+    ref_q = bindings.quantize(x, tid)
+    ref_f = bindings.dequantize(ref_q, tid, width)
+
+    def run(src: str, dst: str, data: bytes, order: int) -> bytes:
+        (tmp_path / "in.bin").write_bytes(data)
+        proc = subprocess.run([str(harness), "cpy", src, dst, str(n), str(width), str(order), str(tmp_path / "in.bin"),
+                               str(tmp_path / "out.bin")], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and not proc.stderr, proc.stderr
+        return (tmp_path / "out.bin").read_bytes()
+
+    blk = bindings.row_size(tid, 64 if t.endswith("_64") else 128)
+    for order in (0, 1):
+        q = np.frombuffer(run("f32", t, x.tobytes(), order), dtype=np.uint8)
+        assert (q.reshape(-1, blk) == ref_q.reshape(-1, blk)).all(1).mean() >= 0.995
+        f32 = np.frombuffer(run(t, "f32", ref_q.tobytes(), order), dtype=np.float32).reshape(n, width)
+        assert np.array_equal(f32.view(np.uint32), ref_f.view(np.uint32))
+        f16 = np.frombuffer(run(t, "f16", ref_q.tobytes(), order), dtype=np.float16).reshape(n, width)
+        assert np.array_equal(f16.view(np.uint16), ref_f.astype(np.float16).view(np.uint16))
+
+
 FA_CASES = [  # (K type, V type, head size); test-backend-ops' FLASH_ATTN_EXT widths for our types
     ("isoquant3_0", "isoquant3_0", 128), ("isoquant4_0", "isoquant3_0", 128), ("isoquant4_0", "isoquant4_0", 128),
     ("isoquant3_0", "isoquant3_0", 256), ("isoquant3_64", "isoquant3_64", 64), ("isoquant4_64", "isoquant4_64", 64),
@@ -286,6 +313,7 @@ def test_the_library_source_the_build_makes_runs(tmp_path, upstream_tree):
     host = (METAL_SRC / "rq-metal.cpp").read_text()
     names = {f"kernel_get_rows_{t}" for t in (*ISO_TYPES, "itq3_s")}
     names |= {f"kernel_set_rows_{t}_{i}" for t in ISO_TYPES for i in ("i64", "i32")}
+    names |= {f"kernel_cpy_{a}_{b}" for t in ISO_TYPES for a, b in (("f32", t), (t, "f32"), (t, "f16"))}
     names |= {f"kernel_flash_attn_ext_iso_{k}_{v}_dk{d}" for k, v, d in FA_CASES}
     names.add("kernel_mul_mv_itq3_s_f32")
     for name in sorted(names):

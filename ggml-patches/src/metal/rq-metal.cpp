@@ -105,6 +105,31 @@ void rq_encode_set_rows(ggml_metal_library_t lib, ggml_metal_encoder_t enc, cons
     ggml_metal_encoder_dispatch_threadgroups(enc, (int) src0->ne[1], (int) src0->ne[2], (int) src0->ne[3], RQ_NW, 1, 1);
 }
 
+// CPY F32 -> IsoQuant and IsoQuant -> F32/F16, one shape on both sides (supports_op), one simdgroup per row
+void rq_encode_cpy(ggml_metal_library_t lib, ggml_metal_encoder_t enc, const ggml_tensor * op) {
+    const ggml_tensor * src = op->src[0];
+    const bool quant = ggml_rq_type_is_iso(op->type);
+    const ggml_type t = quant ? op->type : src->type;
+    char name[128];
+    snprintf(name, sizeof(name), "kernel_cpy_%s_%s", ggml_type_name(src->type), ggml_type_name(op->type));
+    ggml_metal_kargs_cpy args = {
+        /*.nk0  =*/ src->ne[0]/ggml_blck_size(t),
+        /*.ne00 =*/ src->ne[0], /*.ne01 =*/ src->ne[1], /*.ne02 =*/ src->ne[2], /*.ne03 =*/ src->ne[3],
+        /*.nb00 =*/ src->nb[0], /*.nb01 =*/ src->nb[1], /*.nb02 =*/ src->nb[2], /*.nb03 =*/ src->nb[3],
+        /*.ne0  =*/ op->ne[0],  /*.ne1  =*/ op->ne[1],  /*.ne2  =*/ op->ne[2],  /*.ne3  =*/ op->ne[3],
+        /*.nb0  =*/ op->nb[0],  /*.nb1  =*/ op->nb[1],  /*.nb2  =*/ op->nb[2],  /*.nb3  =*/ op->nb[3],
+    };
+    ggml_metal_encoder_set_pipeline(enc, rq_pipeline(lib, name));
+    ggml_metal_encoder_set_bytes   (enc, &args, sizeof(args), 0);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(src), 1);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(op),  2);
+    if (!quant) {
+        ggml_metal_encoder_set_threadgroup_memory_size(enc, GGML_PAD(ggml_type_size(t), 16), 0);
+    }
+    ggml_rq_counter_add(quant ? GGML_RQ_ISO_QUANT_ROWS : GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) (ggml_nrows(src)*args.nk0));
+    ggml_metal_encoder_dispatch_threadgroups(enc, (int) src->ne[1], (int) src->ne[2], (int) src->ne[3], RQ_NW, 1, 1);
+}
+
 void rq_encode_flash_attn(ggml_metal_library_t lib, ggml_metal_encoder_t enc, const ggml_tensor * op) {
     const ggml_tensor * q    = op->src[0];
     const ggml_tensor * k    = op->src[1];
@@ -189,6 +214,15 @@ int ggml_metal_rq_supports_op(const ggml_metal_device_props * props, const ggml_
             return ggml_rq_type_is_iso(op->type) && src0->type == GGML_TYPE_F32 && src0->nb[0] == sizeof(float) &&
                    (src1->type == GGML_TYPE_I64 || src1->type == GGML_TYPE_I32) &&
                    src0->ne[0] % ggml_blck_size(op->type) == 0;
+        case GGML_OP_CPY: {
+            // F32 -> IsoQuant (a cache write, K-shift's requantisation) or IsoQuant -> F32/F16 (the unfused path,
+            // K-shift's cast): one shape, rows of whole blocks; reshaping copies stay on the CPU
+            const bool quant = ggml_rq_type_is_iso(op->type) && src0->type == GGML_TYPE_F32;
+            const bool deq   = ggml_rq_type_is_iso(src0->type) && (op->type == GGML_TYPE_F32 || op->type == GGML_TYPE_F16);
+            const ggml_type t = quant ? op->type : src0->type;
+            return (quant || deq) && ggml_are_same_shape(src0, op) && src0->ne[0] % ggml_blck_size(t) == 0 &&
+                   src0->nb[0] == ggml_type_size(src0->type) && op->nb[0] == ggml_type_size(op->type);
+        }
         case GGML_OP_MUL_MAT:
             // ITQ3_S x F32: the matrix-vector kernel for every batch (no mul_mm yet: prompts run it per column)
             return src0->type == GGML_TYPE_ITQ3_S && src1->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
@@ -207,8 +241,8 @@ int ggml_metal_rq_supports_op(const ggml_metal_device_props * props, const ggml_
                    ggml_are_same_shape(k, v);
         }
         default:
-            // CPY to/from our types (the unfused path's dequantisation), MUL_MAT_ID on ITQ3_S, ...: not on this
-            // device yet; the scheduler runs them on the CPU
+            // MUL_MAT_ID on ITQ3_S, DUP/CONT of our types, ...: not on this device yet; the scheduler runs them on
+            // the CPU
             return 0;
     }
 }
@@ -222,6 +256,10 @@ bool ggml_metal_rq_encode(ggml_metal_library_t lib, ggml_metal_encoder_t enc, co
         case GGML_OP_SET_ROWS:
             if (!ggml_rq_type_is_iso(op->type)) return false;
             rq_encode_set_rows(lib, enc, op);
+            return true;
+        case GGML_OP_CPY:
+            if (!ggml_rq_type_is_iso(op->type) && !ggml_rq_type_is_iso(op->src[0]->type)) return false;
+            rq_encode_cpy(lib, enc, op);
             return true;
         case GGML_OP_MUL_MAT:
             if (op->src[0]->type != GGML_TYPE_ITQ3_S) return false;
