@@ -208,10 +208,11 @@ def _nmse(got: np.ndarray, ref: np.ndarray) -> float:
 def test_fused_attention_is_attention_over_the_dequantised_cache(harness, kt, vt, d, tmp_path):
     # the query rotated once, keys scored packed, values summed rotated, one inverse rotation: equal to attention over
     # the C reference's dequantised K/V up to float32 rounding (measured NMSE ~1e-13; test-backend-ops allows 5e-4).
-    # Decode (1 query) and a 3-token step; GQA 4 heads on 2; 4 simdgroups split the keys
-    for n_q, n_kv in ((1, 256), (3, 113)):
+    # Decode (1 query) and 3-token steps; GQA 4 heads on 2 and test-backend-ops' 16 on 4 with 512 keys; 4 simdgroups
+    # split the keys
+    for n_q, n_head, n_head_kv, n_kv in ((1, 4, 2, 256), (3, 4, 2, 113), (3, 16, 4, 512)):
         for order in (0, 1):
-            got, ref, err = _fa(harness, kt, vt, d, n_q, 4, 2, n_kv, order, seed=d + n_kv, tmp=tmp_path)
+            got, ref, err = _fa(harness, kt, vt, d, n_q, n_head, n_head_kv, n_kv, order, seed=d + n_kv, tmp=tmp_path)
             assert not err, err
             assert _nmse(got, ref) < 1e-10, (kt, vt, d, n_q, order, _nmse(got, ref))
 
