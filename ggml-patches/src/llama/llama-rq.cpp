@@ -783,6 +783,12 @@ bool llama_kv_rq::cell_holds(int64_t c, llama_pos pos) const {
     return !cells.is_empty(idx) && cells.pos_get(idx) == pos;
 }
 
+bool llama_kv_rq::cell_moved_from(int64_t c, llama_pos pos) const {
+    const auto & cells = kv.v_cells[c/kv.get_size()];
+    const uint32_t idx = c % kv.get_size();
+    return !cells.is_empty(idx) && cells.get_shift(idx) != 0 && cells.pos_get(idx) - cells.get_shift(idx) == pos;
+}
+
 // the rows of a pool (cell_of_row: strm*kv_size + idx, -1 free) whose cells the ubatch attends to (cells [0, n_kv) of
 // streams s0..s1): f(row, the cell's index in the attended view)
 template <typename F>
@@ -1044,8 +1050,11 @@ void llama_kv_rq::release_seq(llama_seq_id seq_id) {
 }
 
 void llama_kv_rq::drop_stale() {
+    // a window row whose cell only moved (seq_add / seq_div; the K-shift re-ropes the row with the cache) stays
+    const bool shiftable = kv.hparams.n_lora_kv == 0;
     for (uint32_t r = 0; r < win_budget; ++r) {
-        if (win_cell_of_row[r] >= 0 && !cell_holds(win_cell_of_row[r], win_pos_of_row[r])) {
+        const int64_t c = win_cell_of_row[r];
+        if (c >= 0 && !cell_holds(c, win_pos_of_row[r]) && !(shiftable && cell_moved_from(c, win_pos_of_row[r]))) {
             win_release(r);
         }
     }
@@ -1320,6 +1329,67 @@ void llama_kv_rq::set_input(const llama_rq_dfr_inputs & inp) const {
         if (t && t->buffer) {
             GGML_ASSERT(ggml_backend_buffer_is_host(t->buffer));
             memcpy(t->data, src, ggml_nbytes(t));
+        }
+    }
+}
+
+namespace {
+class llama_rq_win_shift : public llm_graph_input_i {
+public:
+    explicit llama_rq_win_shift(llama_kv_rq * rq) : rq(rq) {}
+    void set_input(const llama_ubatch * ubatch) override {
+        GGML_UNUSED(ubatch);
+        rq->set_window_shift(shift);
+    }
+    ggml_tensor * shift = nullptr; // I32 [win_budget + 1]: each pool row's cell shift, 0 for free rows
+    llama_kv_rq * rq;
+};
+} // namespace
+
+ggml_tensor * llama_kv_rq::window_shift_input(llm_graph_result * res, ggml_context * ctx) {
+    if (win == 0 || std::none_of(k_win.begin(), k_win.end(), [](const ggml_tensor * t) { return t != nullptr; })) {
+        return nullptr;
+    }
+    auto inp = std::make_unique<llama_rq_win_shift>(this);
+    inp->shift = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, win_budget + 1);
+    ggml_set_input(inp->shift);
+    ggml_set_name(inp->shift, "rq_win_shift");
+    ggml_tensor * t = inp->shift;
+    res->add_input(std::move(inp));
+    return t;
+}
+
+void llama_kv_rq::window_shift(ggml_context * ctx, ggml_cgraph * gf, const llama_cparams & cparams, int32_t il,
+        ggml_tensor * shift, ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale) const {
+    const int32_t ikv = kv.map_layer_ids.at(il);
+    ggml_tensor * kw = shift ? k_win[ikv] : nullptr;
+    if (!kw || kv.hparams.n_lora_kv > 0) {
+        return; // MLA caches keep their rows unshifted: they are dropped as before
+    }
+    const int64_t n_embd_head_k = kv.hparams.n_embd_head_k(il);
+    ggml_tensor * k = ggml_view_3d(ctx, kw, k_center(il).k_scale ? n_embd_head_k : kv.hparams.n_rot(il),
+            kv.hparams.n_head_kv(il), kw->ne[1], ggml_row_size(kw->type, n_embd_head_k), kw->nb[1], 0);
+    ggml_build_forward_expand(gf, kv.build_rope_shift(cparams, ctx, k, shift, rot, factors, freq_base, freq_scale, il));
+}
+
+void llama_kv_rq::set_window_shift(ggml_tensor * shift) {
+    GGML_ASSERT(shift->buffer && ggml_backend_buffer_is_host(shift->buffer));
+    int32_t * d = (int32_t *) shift->data;
+    std::fill(d, d + win_budget + 1, 0);
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        const int64_t c = win_cell_of_row[r];
+        if (c < 0) {
+            continue;
+        }
+        const auto & cells = kv.v_cells[c/kv.get_size()];
+        const uint32_t idx = c % kv.get_size();
+        if (cells.is_empty(idx)) {
+            continue;
+        }
+        // the row was written at win_pos_of_row; the cell moved from pos - shift to pos since
+        if (cell_moved_from(c, win_pos_of_row[r])) {
+            d[r] = cells.get_shift(idx);
+            win_pos_of_row[r] = cells.pos_get(idx);
         }
     }
 }

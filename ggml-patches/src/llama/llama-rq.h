@@ -120,6 +120,15 @@ public:
     bool window_fits(const llama_rq_dfr_inputs & inp) const;
     bool window_active() const { return !win_w.empty(); }
 
+    // K-shift (build_graph_shift): the window's K rows move with their cells. window_shift_input adds the graph
+    // input of each row's shift (null without a window); window_shift re-ropes layer il's rows as the cache's K
+    // (build_rope_shift: un-centre, RoPE, re-centre). Setting the input moves each shifted row's position along, so
+    // the row stays its cell's (without it a shifted cell lost its row: its key read packed until N more tokens)
+    ggml_tensor * window_shift_input(llm_graph_result * res, ggml_context * ctx);
+    void window_shift(ggml_context * ctx, ggml_cgraph * gf, const llama_cparams & cparams, int32_t il, ggml_tensor * shift,
+                      ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale) const;
+    void set_window_shift(ggml_tensor * shift);
+
     // writes the ubatch's k/v (as the cache gets them) into the window rows of layer il; with attend, the exact-row
     // sources of the layer's attention (k, v), null when the layer has no window or the attention will not read them
     std::pair<ggml_tensor *, ggml_tensor *> build_window(ggml_context * ctx, ggml_cgraph * gf, const llama_rq_dfr_inputs & inp,
@@ -183,6 +192,8 @@ private:
     void init_window(ggml_type type_v);
     // cell c (strm*kv_size + idx) still holds position pos: not emptied, not moved by a shift (a row of it is valid)
     bool cell_holds(int64_t c, llama_pos pos) const;
+    // ... holds what was at pos before a pending shift (seq_add / seq_div) that the next K-shift applies
+    bool cell_moved_from(int64_t c, llama_pos pos) const;
     void win_release(uint32_t row);
     bool win_section() const; // the cache writes a window section in state files
     std::pair<uint32_t, uint64_t> win_layout() const; // layers with a window, bytes of one row over them (K and V)
