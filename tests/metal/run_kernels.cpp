@@ -46,6 +46,21 @@ static std::vector<unsigned char> read_all(const char * path) {
     return buf;
 }
 
+// writes v to path; 0, or 2 with a message
+template <typename T>
+static int write_all(const char * path, const std::vector<T> & v) {
+    FILE * f = fopen(path, "wb");
+    if (!f || fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
+        fprintf(stderr, "cannot write %s\n", path);
+        if (f) {
+            fclose(f);
+        }
+        return 2;
+    }
+    fclose(f);
+    return 0;
+}
+
 template <typename block_q, short BITS, short QK>
 static void get_rows(int n_rows, int ne00, int order, const std::vector<unsigned char> & src, std::vector<float> & out) {
     const size_t row_bytes = (size_t) (ne00/QK)*sizeof(block_q);
@@ -125,13 +140,7 @@ static int mul_mv(char ** a) {
             (float *) shmem.data(), metal::uint3(g % n_tg, g / n_tg, 0), (metal::ushort) (tid % N_SIMDWIDTH),
             (metal::ushort) (tid / N_SIMDWIDTH));
     }, order);
-    FILE * f = fopen(a[6], "wb");
-    if (!f || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
-        fprintf(stderr, "cannot write %s\n", a[6]);
-        return 2;
-    }
-    fclose(f);
-    return 0;
+    return write_all(a[6], out);
 }
 
 template <typename block_q, short BITS, short QK>
@@ -233,13 +242,7 @@ static int fa(char ** a, int order) {
             (const char *) v.data(), (const char *) m.data(), (char *) out.data(), (float *) shmem.data(),
             metal::uint3(g % n_q, g / n_q, 0), (metal::ushort) (tid % N_SIMDWIDTH), (metal::ushort) (tid / N_SIMDWIDTH));
     }, order);
-    FILE * f = fopen(a[9], "wb");
-    if (!f || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
-        fprintf(stderr, "cannot write %s\n", a[9]);
-        return 2;
-    }
-    fclose(f);
-    return 0;
+    return write_all(a[9], out);
 }
 
 int main(int argc, char ** argv) {
@@ -270,13 +273,7 @@ int main(int argc, char ** argv) {
         if (rc != 0) {
             return rc;
         }
-        FILE * f = fopen(argv[8], "wb");
-        if (!f || fwrite(out.data(), 1, out.size(), f) != out.size()) {
-            fprintf(stderr, "cannot write %s\n", argv[8]);
-            return 2;
-        }
-        fclose(f);
-        return 0;
+        return write_all(argv[8], out);
     }
     if (argc == 9 && std::string(argv[1]) == "mul_mv") {
         return mul_mv(argv + 2);
@@ -298,13 +295,7 @@ int main(int argc, char ** argv) {
             fprintf(stderr, "unknown type %s\n", type.c_str());
             return 2;
         }
-        FILE * f = fopen(argv[7], "wb");
-        if (!f || fwrite(out.data(), 1, out.size(), f) != out.size()) {
-            fprintf(stderr, "cannot write %s\n", argv[7]);
-            return 2;
-        }
-        fclose(f);
-        return 0;
+        return write_all(argv[7], out);
     }
     if (argc != 8 || std::string(argv[1]) != "get_rows") {
         fprintf(stderr, "usage: %s get_rows TYPE N_ROWS NE00 ORDER IN OUT\n"
@@ -329,11 +320,5 @@ int main(int argc, char ** argv) {
         fprintf(stderr, "unknown type %s\n", type.c_str());
         return 2;
     }
-    FILE * f = fopen(argv[7], "wb");
-    if (!f || fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) {
-        fprintf(stderr, "cannot write %s\n", argv[7]);
-        return 2;
-    }
-    fclose(f);
-    return 0;
+    return write_all(argv[7], out);
 }

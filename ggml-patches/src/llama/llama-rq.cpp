@@ -1377,19 +1377,12 @@ void llama_kv_rq::set_window_shift(ggml_tensor * shift) {
     int32_t * d = (int32_t *) shift->data;
     std::fill(d, d + win_budget + 1, 0);
     for (uint32_t r = 0; r < win_budget; ++r) {
+        // the row was written at win_pos_of_row; its cell moved from pos - shift to pos since
         const int64_t c = win_cell_of_row[r];
-        if (c < 0) {
-            continue;
-        }
-        const auto & cells = kv.v_cells[c/kv.get_size()];
-        const uint32_t idx = c % kv.get_size();
-        if (cells.is_empty(idx)) {
-            continue;
-        }
-        // the row was written at win_pos_of_row; the cell moved from pos - shift to pos since
-        if (cell_moved_from(c, win_pos_of_row[r])) {
-            d[r] = cells.get_shift(idx);
-            win_pos_of_row[r] = cells.pos_get(idx);
+        if (c >= 0 && cell_moved_from(c, win_pos_of_row[r])) {
+            const auto & cells = kv.v_cells[c/kv.get_size()];
+            d[r] = cells.get_shift(c % kv.get_size());
+            win_pos_of_row[r] = cells.pos_get(c % kv.get_size());
         }
     }
 }

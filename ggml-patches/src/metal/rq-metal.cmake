@@ -12,7 +12,7 @@ if (GGML_RQ_METAL)
     set(OUT ${CMAKE_CURRENT_SOURCE_DIR}/kernels/rq.metal)
     include(${RQ_METAL_DIR}/rq-metal-flatten.cmake)
     set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS
-        ${RQ_METAL_DIR}/rq-iso-tables.h ${RQ_METAL_DIR}/rq-itq3-tables.h ${RQ_METAL_DIR}/rq-iso.h
+        ${RQ_METAL_DIR}/../isoquant-tables.h ${RQ_METAL_DIR}/../itq3-tables.h ${RQ_METAL_DIR}/rq-iso.h
         ${RQ_METAL_DIR}/rq-iso.metal ${RQ_METAL_DIR}/rq-iso-fa.metal ${RQ_METAL_DIR}/rq-itq3.metal)
     list(APPEND METALLIB_KERNEL_SOURCES kernels/rq.metal)
 
