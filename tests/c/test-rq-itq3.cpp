@@ -47,8 +47,10 @@ int main() {
     std::student_t_distribution<float> td(3.0f);
 
     for (int k : {256, 1536, 4096}) {
-        for (int n : {1, 5, 8, 64}) {   // n >= 8: ggml-cpu's tiled matmul (rq-tiled.h) on x86
-            const int m = 48;
+        // n >= 8: ggml-cpu's tiled matmul (rq-tiled.h) on x86, n <= 16 its narrow path; m = 40 and n = 20
+        // leave ragged 16x16 microtiles
+        for (int n : {1, 5, 8, 20, 64}) {
+            const int m = k == 1536 ? 40 : 48;
             std::vector<float> w((size_t) k*m), x((size_t) k*n);
             for (auto & v : w) v = 0.02f*td(rng);
             for (auto & v : x) v = nd(rng);
