@@ -53,12 +53,19 @@ def test_prediction_is_bandwidth_over_step_bytes(gemma3):
     assert b.predicted_tps == pytest.approx(1e10 / (roofline.weight_bytes(gemma3) + b.kv_bytes))
 
 
+def test_cache_limit_adds_the_cache_read_to_the_measured_weights_step():
+    # 10 t/s at depth 0 (100 ms a step) plus 1 GB at 10 GB/s (100 ms): 5 t/s
+    assert roofline.cache_limit_tps(10.0, 10**9, 1e10) == pytest.approx(5.0)
+    assert roofline.cache_limit_tps(10.0, 0, 1e10) == pytest.approx(10.0)
+
+
 def test_report_and_plot(tmp_path):
     row = dict(label="f16", cache="f16", unfused=False, depth=0, weight_bytes=2 << 20, kv_bytes=1 << 20,
                bandwidth=3e9, predicted_tps=1000.0, step_bytes=3 << 20, tg_tps=800.0, tg_std=1.0,
-               measured_over_predicted=0.8, tg_vs_f16=1.0, predicted_vs_f16=1.0)
+               measured_over_predicted=0.8, tg_vs_f16=1.0, predicted_vs_f16=1.0, cache_limit_tps=900.0,
+               measured_over_cache_limit=800 / 900)
     res = {"model": "m.gguf", "machine": "test", "bandwidth": {"before": 3e9, "after": 3e9, "used": 3e9,
            "triad_mib": 128, "threads": 2}, "settings": {"n_gen": 32, "reps": 2}, "rows": [row]}
     md = roofline.to_markdown(res)
-    assert "| 0 | f16 | 2 | 1.0 | 1000.0 | 800.0 | 0.80 | 1.00 | 1.00 |" in md
+    assert "| 0 | f16 | 2 | 1.0 | 1000.0 | 900.0 | 800.0 | 0.80 | 0.89 | 1.00 | 1.00 |" in md
     assert roofline.plot(res, tmp_path / "r.png").stat().st_size > 1000
