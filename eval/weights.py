@@ -40,6 +40,8 @@ class Variant:
     tensor_type: str | None = None  # "regex=type" for tensor mode
     recipe: str | None = None       # made by rq-convert with this recipe (no kurtosis promotion), not llama-quantize
     calibrate: bool = False         # rq-convert --calibrate on the calibration text
+    promote: bool = False           # rq-convert's kurtosis promotion on (the recipe as users run it)
+    overrides: tuple[str, ...] = () # rq-convert --tensor-type REGEX=TYPE, in order
 
 
 CALIB_TOKENS = 4096  # calibration tokens for every calibrated variant (8 imatrix chunks of 512)
@@ -53,6 +55,13 @@ DEFAULT_VARIANTS = (
     Variant("IQ3_XXS+imat", "IQ3_XXS", imatrix=True),
     Variant("ITQ3_S/rq", "ITQ3_S", recipe="itq3"),
     Variant("ITQ3_S/rq+cal", "ITQ3_S", recipe="itq3", calibrate=True),
+    # a mixture at IQ3_S's size, as llama-quantize's _M types spend bits: token embeddings (a lookup, not a matmul)
+    # in ITQ3_S instead of Q4_K, the saving spent on attn_k/attn_v (Q6_K, 1.2% of the weights) and ffn_down
+    # (Q4_K in 21 of 28 layers: all but the middle 10-16) on Qwen2.5-1.5B
+    Variant("ITQ3_S-M/rq+cal", "ITQ3_S", recipe="itq3", calibrate=True,
+            overrides=("token_embd=itq3_s", r"attn_[kv]\.=q6_K", r"blk\.([0-9]|1[7-9]|2[0-9])\.ffn_down=q4_K")),
+    # the default recipe as `rq-convert model/ out.gguf` makes it (dense weights 4-bit, kurtosis promotion on)
+    Variant("rotaryquant", "Q4_K_M", recipe="rotaryquant", promote=True),
 )
 
 
@@ -110,9 +119,12 @@ def quantize(f16: Path, v: Variant, dst: Path, imatrix: Path | None, threads: in
 
 
 def convert(f16: Path, v: Variant, dst: Path, calib_text: Path | None, threads: int) -> Path:
-    """rq-convert with ``v.recipe``, kurtosis promotion off (so its tensor types are llama-quantize's)."""
-    cmd: list = [sys.executable, "-m", "rotaryquant.converter.cli", f16, dst, "--recipe", v.recipe, "--no-promote",
-                 "--threads", str(threads), "--no-progress", "--table", "none"]
+    """rq-convert with ``v.recipe``; kurtosis promotion off unless ``v.promote`` (so the ITQ3_S rows' tensor types
+    are llama-quantize's)."""
+    cmd: list = [sys.executable, "-m", "rotaryquant.converter.cli", f16, dst, "--recipe", v.recipe,
+                 *(() if v.promote else ("--no-promote",)), "--threads", str(threads), "--no-progress", "--table", "none"]
+    for o in v.overrides:
+        cmd += ["--tensor-type", o]
     if v.calibrate:
         if calib_text is None:
             raise WeightsBenchError(f"{v.label} needs calibration text")

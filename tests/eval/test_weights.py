@@ -17,8 +17,23 @@ def test_variants_cover_each_type_with_and_without_calibration():
     # the calibrated rq-convert row has its uncalibrated control through the same recipe
     assert rq["ITQ3_S/rq+cal"].calibrate and not rq["ITQ3_S/rq"].calibrate
     assert rq["ITQ3_S/rq+cal"].recipe == rq["ITQ3_S/rq"].recipe
+    # the default recipe is measured as users run it (kurtosis promotion on); the ITQ3_S rows keep
+    # llama-quantize's tensor types
+    assert rq["rotaryquant"].promote and not rq["ITQ3_S/rq+cal"].promote
     # tensor mode has no rq-convert rows (it is llama-quantize --tensor-type only)
     assert all(v.recipe is None for v in weights.tensor_variants())
+
+
+def test_rq_convert_rows_pass_their_overrides_and_promotion(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(weights, "_run", lambda cmd, what, timeout=0: seen.append([str(c) for c in cmd]) or "")
+    rq = {v.label: v for v in weights.DEFAULT_VARIANTS if v.recipe}
+    for label in ("ITQ3_S-M/rq+cal", "rotaryquant"):
+        weights.convert(tmp_path / "f16.gguf", rq[label], tmp_path / "out.gguf", tmp_path / "c.txt", 2)
+    mix, default = seen
+    assert [mix[i + 1] for i, a in enumerate(mix) if a == "--tensor-type"] == list(rq["ITQ3_S-M/rq+cal"].overrides)
+    assert "--no-promote" in mix and "--calibrate" in mix
+    assert "--no-promote" not in default and "--tensor-type" not in default
 
 
 def test_merge_refuses_another_model_or_setting(tmp_path, monkeypatch):
