@@ -230,7 +230,7 @@ def plot(res: dict, out: Path) -> Path:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=label)
     ax.set_xlabel("depth (tokens in the cache)")
     ax.set_ylabel("decode t/s")
-    ax.set_title(f"{res['model']}: measured (solid), bandwidth limit (dashed), cache limit (dotted), "
+    ax.set_title(f"{res['model']}\nmeasured (solid), bandwidth limit (dashed), cache limit (dotted), "
                  f"{res['bandwidth']['used'] / 1e9:.1f} GB/s", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
