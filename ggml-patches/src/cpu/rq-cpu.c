@@ -68,13 +68,29 @@ RQ_INLINE float iso_block_d(const uint8_t * blk) {
     return GGML_CPU_FP16_TO_FP32(d);
 }
 
+// the bits*8-bit word of group g of a block's packed indices (ggml_rq_iso_word): one 4-byte load wherever the
+// block has a byte after the group's (the top byte is never shifted into an index: lanes read bits 0..8*bits-1),
+// the byte loop for the last group of a 3-bit block, which may end the buffer (the byte loop costs the 3-bit
+// unpack 13 instructions per 8 values, the load 5)
+RQ_INLINE uint32_t iso_word(const uint8_t * qs, int g, int bits, int ng) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    if (bits == 4 || g < ng - 1) {
+        uint32_t w;
+        memcpy(&w, qs + bits*g, sizeof(w));
+        return w;
+    }
+#endif
+    GGML_UNUSED(ng);
+    return ggml_rq_iso_word(qs, g, bits);
+}
+
 #if defined(__AVX2__)
 // codebook lookup for the 8 indices of one group: 8 levels in one register, 16 in two (the 4th index
 // bit, moved to the sign bit, selects the register)
 typedef struct {
     __m256  lo, hi;
     __m256i shifts, mask;
-    int     bits;
+    int     bits, ng;   // index width, groups of 8 per block
 } iso_lut;
 
 RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
@@ -85,11 +101,12 @@ RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
     L.shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
     L.mask   = _mm256_set1_epi32((1 << bits) - 1);
     L.bits   = bits;
+    L.ng     = qk/8;
     return L;
 }
 
 RQ_INLINE __m256 iso_lookup8(const iso_lut * L, const uint8_t * qs, int g) {
-    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) ggml_rq_iso_word(qs, g, L->bits)), L->shifts), L->mask);
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) iso_word(qs, g, L->bits, L->ng)), L->shifts), L->mask);
     const __m256  lo  = _mm256_permutevar8x32_ps(L->lo, idx);
     if (L->bits == 3) {
         return lo;
@@ -110,7 +127,7 @@ typedef struct {
     uint8x16x4_t tab;
     int32x4_t    sh0, sh1; // -bits*j: right shifts of the group word for lanes j = 0-3, 4-7
     uint32x4_t   mask;
-    int          bits;
+    int          bits, ng;  // index width, groups of 8 per block
 } iso_lut;
 
 RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
@@ -125,6 +142,7 @@ RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
     L.sh1  = vmulq_n_s32(vaddq_s32(vld1q_s32(j), vdupq_n_s32(4)), -bits);
     L.mask = vdupq_n_u32((1u << bits) - 1);
     L.bits = bits;
+    L.ng   = qk/8;
     return L;
 }
 
@@ -134,7 +152,7 @@ RQ_INLINE float32x4_t iso_lookup4(const iso_lut * L, uint32x4_t idx) {
 }
 
 RQ_INLINE float32x4x2_t iso_lookup8(const iso_lut * L, const uint8_t * qs, int g) {
-    const uint32x4_t w = vdupq_n_u32(ggml_rq_iso_word(qs, g, L->bits));
+    const uint32x4_t w = vdupq_n_u32(iso_word(qs, g, L->bits, L->ng));
     float32x4x2_t r;
     r.val[0] = iso_lookup4(L, vandq_u32(vshlq_u32(w, L->sh0), L->mask));
     r.val[1] = iso_lookup4(L, vandq_u32(vshlq_u32(w, L->sh1), L->mask));
@@ -276,24 +294,11 @@ static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRIC
     }
 }
 
-// iso_vec_dot on an unpacked row: the same operations in the same order
+#if !defined(__AVX2__)
+// iso_vec_dot on an unpacked row: the same operations in the same order (AVX2 scores packed keys: iso_score_rows)
 static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, const float * GGML_RESTRICT q, int qk) {
     const int nb = n / qk;
-#if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
-    for (int ib = 0; ib < nb; ++ib) {
-        const float * cq = c + ib*qk;
-        const float * qq = q + ib*qk;
-        __m256 a0 = _mm256_setzero_ps();
-        __m256 a1 = _mm256_setzero_ps();
-        for (int g = 0; g < qk/8; g += 2) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 0), _mm256_loadu_ps(qq + 8*g + 0), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 8), _mm256_loadu_ps(qq + 8*g + 8), a1);
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(d[ib]), _mm256_add_ps(a0, a1), acc);
-    }
-    return hsum_f32_8(acc);
-#elif defined(RQ_NEON)
+#if defined(RQ_NEON)
     float32x4_t acc0 = vdupq_n_f32(0.0f);
     float32x4_t acc1 = vdupq_n_f32(0.0f);
     for (int ib = 0; ib < nb; ++ib) {
@@ -322,6 +327,7 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
     return sumf;
 #endif
 }
+#endif
 
 // acc += v * ||x_b|| * c[idx_b] in the rotated domain, on an unpacked row
 static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, float v, int qk) {
@@ -349,38 +355,68 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 #define RQ_FA_TILE 8   // query rows of one K/V head processed together
 #define RQ_FA_KB   16  // keys per online-softmax update
 
-// the T rows' scores against one unpacked key (iso_dot_unpacked per row; on AVX2 the rows' horizontal sums are
-// reduced together)
+#if defined(__AVX2__)
+// 8 vectors -> their 8 horizontal sums, in order
+static inline __m256 iso_hsum8(const __m256 a[8]) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+// the T rows' scores against one packed key: each group's codebook values are looked up into a register and
+// multiplied into every row, so the key is never stored unpacked; a block's row sums are reduced together
+RQ_INLINE void iso_score_rows_t(int T, int n, const void * GGML_RESTRICT x, const float * GGML_RESTRICT q,
+                                int64_t q_stride, int bits, int qk, float * GGML_RESTRICT out) {
+    const iso_lut L = iso_lut_init(bits, qk);
+    __m256 s = _mm256_setzero_ps();
+    for (int ib = 0; ib < n / qk; ++ib) {
+        const uint8_t * blk = iso_block(x, ib, bits, qk);
+        const uint8_t * qs  = blk + sizeof(ggml_half);
+        const float   * qb  = q + ib*qk;
+        __m256 a[RQ_FA_TILE];
+        for (int t = 0; t < RQ_FA_TILE; ++t) {
+            a[t] = _mm256_setzero_ps();
+        }
+        for (int g = 0; g < qk/8; ++g) {
+            const __m256 c = iso_lookup8(&L, qs, g);
+            for (int t = 0; t < T; ++t) {
+                a[t] = _mm256_fmadd_ps(c, _mm256_loadu_ps(qb + t*q_stride + 8*g), a[t]);
+            }
+        }
+        s = _mm256_fmadd_ps(_mm256_set1_ps(iso_block_d(blk)), iso_hsum8(a), s);
+    }
+    _mm256_storeu_ps(out, s);
+}
+
+// iso_score_rows_t with the tile height, index width and block width as constants
+static void iso_score_rows(int T, int n, const void * GGML_RESTRICT x, const float * GGML_RESTRICT q,
+                           int64_t q_stride, int bits, int qk, float * GGML_RESTRICT out) {
+#define RQ_SCORE_T(B, QK) switch (T) { \
+        case 1: iso_score_rows_t(1, n, x, q, q_stride, B, QK, out); break; \
+        case 2: iso_score_rows_t(2, n, x, q, q_stride, B, QK, out); break; \
+        case 3: iso_score_rows_t(3, n, x, q, q_stride, B, QK, out); break; \
+        case 4: iso_score_rows_t(4, n, x, q, q_stride, B, QK, out); break; \
+        case 5: iso_score_rows_t(5, n, x, q, q_stride, B, QK, out); break; \
+        case 6: iso_score_rows_t(6, n, x, q, q_stride, B, QK, out); break; \
+        case 7: iso_score_rows_t(7, n, x, q, q_stride, B, QK, out); break; \
+        default: iso_score_rows_t(RQ_FA_TILE, n, x, q, q_stride, B, QK, out); break; }
+    static_assert(RQ_FA_TILE == 8, "iso_score_rows dispatches tile heights 1..8");
+    if (qk == QK_ISO) {
+        if (bits == 3) { RQ_SCORE_T(3, QK_ISO) } else { RQ_SCORE_T(4, QK_ISO) }
+    } else {
+        if (bits == 3) { RQ_SCORE_T(3, QK_ISO64) } else { RQ_SCORE_T(4, QK_ISO64) }
+    }
+#undef RQ_SCORE_T
+}
+#else
+// the T rows' scores against one unpacked key (iso_dot_unpacked per row)
 static void iso_dot_rows(int T, int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d,
                          const float * GGML_RESTRICT q, int64_t q_stride, int qk, float * GGML_RESTRICT out) {
-#if defined(__AVX2__)
-    __m256 acc[RQ_FA_TILE];
-    for (int t = 0; t < RQ_FA_TILE; ++t) {
-        acc[t] = _mm256_setzero_ps();
-    }
-    for (int ib = 0; ib < n / qk; ++ib) {
-        const __m256  db = _mm256_set1_ps(d[ib]);
-        const float * cq = c + ib*qk;
-        for (int t = 0; t < T; ++t) {
-            const float * qq = q + t*q_stride + ib*qk;
-            __m256 a0 = _mm256_setzero_ps();
-            __m256 a1 = _mm256_setzero_ps();
-            for (int g = 0; g < qk/8; g += 2) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 0), _mm256_loadu_ps(qq + 8*g + 0), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(cq + 8*g + 8), _mm256_loadu_ps(qq + 8*g + 8), a1);
-            }
-            acc[t] = _mm256_fmadd_ps(db, _mm256_add_ps(a0, a1), acc[t]);
-        }
-    }
-    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
-#else
     for (int t = 0; t < T; ++t) {
         out[t] = iso_dot_unpacked(n, c, d, q + t*q_stride, qk);
     }
-#endif
 }
+#endif
 
 // vkq[t] += sum_u w[t][u] * ||v_u||_b * c_u over a block's nu unpacked values, for each of the T rows; on AVX2 each
 // 8-wide slice of a row's accumulator is loaded and stored once per block, not once per value
@@ -481,7 +517,9 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
     // the current key, and the block's values, unpacked once for the tile; the block's scores, then weights
+#if !defined(__AVX2__)
     float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
+#endif
     float vc[RQ_FA_KB][DV], vd[RQ_FA_KB][DV/v_qk];
     float sc[RQ_FA_TILE][RQ_FA_KB];
     // exact keys: the raw query rows, the values accumulated unrotated, the block's exact values and both kinds' weights
@@ -548,8 +586,12 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                     }
                     ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) v_x->data + xr*v_x->nb[1]) + iv2*DV, vx[nx++], DV);
                 } else if (k_iso) {
+#if defined(__AVX2__)
+                    iso_score_rows(T, DK, k_data, Q32[0], Q32[1] - Q32[0], k_bits, k_qk, s);
+#else
                     iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
                     iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
+#endif
                 } else {
                     for (int t = 0; t < T; ++t) {
                         kq_vec_dot(DK, &s[t], 0, k_data, 0, Q32[t], 0, 1);
