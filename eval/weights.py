@@ -38,7 +38,7 @@ class Variant:
     ftype: str  # llama-quantize positional type
     imatrix: bool = False
     tensor_type: str | None = None  # "regex=type" for tensor mode
-    recipe: str | None = None       # made by rq-convert with this recipe (no kurtosis promotion), not llama-quantize
+    recipe: str | None = None       # made by rq-convert with this recipe, not llama-quantize
     calibrate: bool = False         # rq-convert --calibrate on the calibration text
     promote: bool = False           # rq-convert's kurtosis promotion on (the recipe as users run it)
     overrides: tuple[str, ...] = () # rq-convert --tensor-type REGEX=TYPE, in order
