@@ -8,7 +8,7 @@
 # the emulation cannot, in one command.
 #   1. build    build/metal with -DGGML_METAL=ON -DGGML_RQ_METAL=ON (Apple's compiler sees kernels/rq.metal: a compile
 #               error there is reported with the library's log and stops the check)
-#   2. ops      test-backend-ops -b MTL0 against the CPU for GET_ROWS, SET_ROWS, FLASH_ATTN_EXT, MUL_MAT on
+#   2. ops      test-backend-ops -b MTL0 against the CPU for GET_ROWS, SET_ROWS, FLASH_ATTN_EXT, MUL_MAT(_ID) on
 #               isoquant3_0 / isoquant4_0 / isoquant3_64 / isoquant4_64 / itq3_s (counts of OK, FAIL, not supported)
 #   3. counters scripts/cuda/rq-counters.cpp on Gemma3-270M (head 256) and Qwen2.5-Coder-1.5B (head 128): fused
 #               decode dequantises nothing and counts Metal fused calls; --isoquant-unfused dequantises
@@ -59,7 +59,7 @@ fi
 
 # 2. test-backend-ops; the library compiles at the first op: its errors land in the log
 echo >> "$SUM"; echo "| op | OK | FAIL | not supported |" >> "$SUM"; echo "|---|---:|---:|---:|" >> "$SUM"
-for op in GET_ROWS SET_ROWS FLASH_ATTN_EXT MUL_MAT; do
+for op in GET_ROWS SET_ROWS FLASH_ATTN_EXT MUL_MAT MUL_MAT_ID; do
     "$BIN/test-backend-ops" test -b MTL0 -o "$op" -p "$TYPES" > "$OUT/backend-ops-$op.txt" 2>&1
     rc=$?
     ok=$(grep -E "$TYPES" "$OUT/backend-ops-$op.txt" | grep -c "OK" || true)

@@ -9,8 +9,9 @@
 //     IN: N_ROWS F32 rows, written to rows N_ROWS-1 .. 0 of OUT (I64 row ids), packed as TYPE.
 //   run_kernels cpy SRC DST N_ROWS NE00 ORDER IN OUT
 //     CPY f32 -> TYPE or TYPE -> f32/f16 of N_ROWS rows; the source rows sit 64 bytes apart (a strided view).
-//   run_kernels get_rows itq3_s ... as above;  run_kernels mul_mv N_ROWS NE00 N_COLS ORDER W X OUT
+//   run_kernels get_rows itq3_s ... as above;  run_kernels mul_mv|mul_mm N_ROWS NE00 N_COLS ORDER W X OUT
 //     W: N_ROWS ITQ3_S rows; X: N_COLS F32 rows of NE00; OUT: F32 [N_COLS][N_ROWS] = X W^T.
+//   run_kernels mul_mv_id N_ROWS NE00 N_EXPERT N_USED N_XROW N_TOK ORDER W X IDS OUT (see mul_mv_id)
 //   run_kernels fa KTYPE VTYPE D N_Q N_HEAD N_HEAD_KV N_KV SCALE ORDER Q K V MASK OUT
 //     ggml's FLASH_ATTN_EXT layouts: Q F32 [D, N_Q, N_HEAD], K/V packed rows [D, N_KV, N_HEAD_KV], MASK F16
 //     [N_KV, N_Q]; OUT F32 [D, N_HEAD, N_Q].
@@ -28,6 +29,9 @@
 
 #ifndef RQ_MTL_MV_CH
 #define RQ_MTL_MV_CH 16   // blocks per threadgroup-memory chunk in mul_mv (as the host instantiates it)
+#endif
+#ifndef RQ_MTL_MM_CH
+#define RQ_MTL_MM_CH 2    // ... in mul_mm
 #endif
 
 static std::vector<unsigned char> read_all(const char * path) {
@@ -117,6 +121,8 @@ static void get_rows_itq3(int n_rows, int ne00, int order, const std::vector<uns
     }, order);
 }
 
+// MM: the matrix-matrix instance (8 columns per threadgroup, as the host instantiates it), else matrix-vector
+template <bool MM>
 static int mul_mv(char ** a) {
     const int n_rows = atoi(a[0]), ne00 = atoi(a[1]), n_cols = atoi(a[2]), order = atoi(a[3]);
     const std::vector<unsigned char> w = read_all(a[4]), x = read_all(a[5]);
@@ -125,22 +131,53 @@ static int mul_mv(char ** a) {
         fprintf(stderr, "mul_mv: input sizes do not match the shape\n");
         return 2;
     }
-    constexpr int NSG = 4, NR = 2, CH = RQ_MTL_MV_CH;
+    constexpr int NSG = 4, NR = MM ? 4 : 2, NC = MM ? 8 : 1, CH = MM ? RQ_MTL_MM_CH : RQ_MTL_MV_CH;
     ggml_metal_kargs_mul_mv args = {};
     args.ne00 = ne00; args.ne01 = n_rows; args.ne02 = 1;
     args.nb00 = sizeof(block_itq3_s); args.nb01 = row_bytes; args.nb02 = row_bytes*n_rows; args.nb03 = args.nb02;
     args.ne10 = ne00; args.ne11 = n_cols; args.ne12 = 1;
     args.nb10 = sizeof(float); args.nb11 = sizeof(float)*ne00; args.nb12 = args.nb11*n_cols; args.nb13 = args.nb12;
     args.ne0 = n_rows; args.ne1 = n_cols; args.nr0 = NR; args.r2 = 1; args.r3 = 1;
-    const int n_tg = (n_rows + NSG*NR - 1)/(NSG*NR);
+    const int n_tg = (n_rows + NSG*NR - 1)/(NSG*NR), n_cg = (n_cols + NC - 1)/NC;
     std::vector<float> out((size_t) n_rows*n_cols, NAN);
     std::vector<unsigned char> shmem;
-    rq_mtl::dispatch((unsigned) (n_tg*n_cols), NSG*N_SIMDWIDTH, sizeof(float)*QK_ITQ*std::min(CH, ne00/QK_ITQ), shmem, [&](unsigned g, unsigned tid) {
-        kernel_mul_mv_itq3_s_f32<NSG, NR, CH>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
+    rq_mtl::dispatch((unsigned) (n_tg*n_cg), NSG*N_SIMDWIDTH, sizeof(float)*QK_ITQ*NC*std::min(CH, ne00/QK_ITQ), shmem, [&](unsigned g, unsigned tid) {
+        kernel_mul_mv_itq3_s_f32<NSG, NR, NC, CH>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
             (float *) shmem.data(), metal::uint3(g % n_tg, g / n_tg, 0), (metal::ushort) (tid % N_SIMDWIDTH),
             (metal::ushort) (tid / N_SIMDWIDTH));
     }, order);
     return write_all(a[6], out);
+}
+
+// MUL_MAT_ID: W holds N_EXPERT experts of N_ROWS rows; X is [N_TOK][N_XROW][NE00] (N_XROW 1: every slot reads the
+// token's one row, else slot s reads row s); IDS I32 [N_TOK][N_USED]; OUT F32 [N_TOK][N_USED][N_ROWS]
+static int mul_mv_id(char ** a) {
+    const int n_rows = atoi(a[0]), ne00 = atoi(a[1]), n_expert = atoi(a[2]), n_used = atoi(a[3]), n_xrow = atoi(a[4]),
+              n_tok = atoi(a[5]), order = atoi(a[6]);
+    const std::vector<unsigned char> w = read_all(a[7]), x = read_all(a[8]), ids = read_all(a[9]);
+    const size_t row_bytes = (size_t) (ne00/QK_ITQ)*sizeof(block_itq3_s);
+    if (w.size() != row_bytes*n_rows*n_expert || x.size() != sizeof(float)*ne00*n_xrow*n_tok ||
+        ids.size() != sizeof(int32_t)*n_used*n_tok) {
+        fprintf(stderr, "mul_mv_id: input sizes do not match the shape\n");
+        return 2;
+    }
+    constexpr int NSG = 4, NR = 2, CH = RQ_MTL_MV_CH;
+    ggml_metal_kargs_mul_mv_id args = {};
+    args.nei0 = n_used; args.nei1 = n_tok; args.nbi1 = sizeof(int32_t)*n_used;
+    args.ne00 = ne00; args.ne01 = n_rows; args.ne02 = n_expert;
+    args.nb00 = sizeof(block_itq3_s); args.nb01 = row_bytes; args.nb02 = row_bytes*n_rows;
+    args.ne10 = ne00; args.ne11 = n_xrow; args.ne12 = n_tok; args.ne13 = 1;
+    args.nb10 = sizeof(float); args.nb11 = sizeof(float)*ne00; args.nb12 = args.nb11*n_xrow;
+    args.ne0 = n_rows; args.ne1 = n_used; args.nb1 = sizeof(float)*n_rows; args.nr0 = NR;
+    const int n_tg = (n_rows + NSG*NR - 1)/(NSG*NR);
+    std::vector<float> out((size_t) n_rows*n_used*n_tok, NAN);
+    std::vector<unsigned char> shmem;
+    rq_mtl::dispatch((unsigned) (n_tg*n_used*n_tok), NSG*N_SIMDWIDTH, sizeof(float)*QK_ITQ*std::min(CH, ne00/QK_ITQ), shmem, [&](unsigned g, unsigned tid) {
+        kernel_mul_mv_id_itq3_s_f32<NSG, NR, CH>(args, (const char *) w.data(), (const char *) x.data(), (char *) out.data(),
+            (const char *) ids.data(), (float *) shmem.data(), metal::uint3(g % n_tg, 0, g / n_tg),
+            (metal::ushort) (tid % N_SIMDWIDTH), (metal::ushort) (tid / N_SIMDWIDTH));
+    }, order);
+    return write_all(a[10], out);
 }
 
 template <typename block_q, short BITS, short QK>
@@ -276,7 +313,13 @@ int main(int argc, char ** argv) {
         return write_all(argv[8], out);
     }
     if (argc == 9 && std::string(argv[1]) == "mul_mv") {
-        return mul_mv(argv + 2);
+        return mul_mv<false>(argv + 2);
+    }
+    if (argc == 9 && std::string(argv[1]) == "mul_mm") {
+        return mul_mv<true>(argv + 2);
+    }
+    if (argc == 13 && std::string(argv[1]) == "mul_mv_id") {
+        return mul_mv_id(argv + 2);
     }
     if (argc == 8 && std::string(argv[1]) == "set_rows") {
         const std::string type = argv[2];

@@ -1,5 +1,5 @@
-"""Our Metal kernels (ggml-patches/src/metal: IsoQuant GET_ROWS, SET_ROWS and fused flash attention; ITQ3_S GET_ROWS
-and mul_mv) run here as C++: tests/metal/shim/metal_stdlib stands in for Metal's
+"""Our Metal kernels (ggml-patches/src/metal: IsoQuant GET_ROWS, SET_ROWS and fused flash attention; ITQ3_S GET_ROWS,
+mul_mv, mul_mm and mul_mv_id) run here as C++: tests/metal/shim/metal_stdlib stands in for Metal's
 standard library (vector types, half, simd_* ops, threadgroup_barrier) and runs each thread of a threadgroup as a
 fiber, lanes in two orders. Checked against ggml's C reference bit for bit (the kernels keep its float operations
 and order), on the row counts and widths test-backend-ops uses for GET_ROWS; deliberately broken builds (a wrong
@@ -113,6 +113,7 @@ def test_broken_kernels_are_caught(broken, tmp_path, upstream_tree):
     # ITQ3_S: the shuffle of the WHT-256 (both kernels), the barrier after the activations' rotation (mul_mv)
     r = [_itq3(exe, 9, 768, 2, order, seed=3, tmp=tmp_path) for order in (0, 1)]
     assert max(_nmse(x["mv"], x["mv_ref"]) for x in r) > 1e-3, broken
+    assert max(_nmse(x["mm"], x["mv_ref"]) for x in r) > 1e-3, broken
     if broken == "RQ_MTL_BREAK_SHUFFLE":
         assert not any(np.array_equal(x["rows"], x["rows_ref"]) for x in r)
 
@@ -227,7 +228,7 @@ def test_fused_attention_is_attention_over_the_dequantised_cache(harness, kt, vt
 
 
 def _itq3(exe: Path, n_rows: int, width: int, n_cols: int, order: int, seed: int, tmp: Path) -> dict:
-    """ITQ3_S GET_ROWS (bits, ggml's) and mul_mv (the kernel's X W^T, float64 over ggml's dequantised W)."""
+    """ITQ3_S GET_ROWS (bits, ggml's), mul_mv and mul_mm (the kernels' X W^T, float64 over ggml's dequantised W)."""
     rng = np.random.default_rng(seed)
     tid = bindings.type_from_name("itq3_s")
     w = (rng.standard_normal((n_rows, width)) * rng.uniform(0.01, 3.0, (n_rows, 1))).astype(np.float32)
@@ -240,6 +241,8 @@ def _itq3(exe: Path, n_rows: int, width: int, n_cols: int, order: int, seed: int
     for what, argv, shape in (
             ("rows", ["get_rows", "itq3_s", str(n_rows), str(width), str(order), str(tmp / "w.bin")], (n_rows, width)),
             ("mv", ["mul_mv", str(n_rows), str(width), str(n_cols), str(order), str(tmp / "w.bin"), str(tmp / "x.bin")],
+             (n_cols, n_rows)),
+            ("mm", ["mul_mm", str(n_rows), str(width), str(n_cols), str(order), str(tmp / "w.bin"), str(tmp / "x.bin")],
              (n_cols, n_rows))):
         proc = subprocess.run([str(exe), *argv, str(tmp / "o.bin")], capture_output=True, text=True, timeout=300)
         out[what] = (np.fromfile(tmp / "o.bin", dtype=np.float32).reshape(shape) if proc.returncode == 0
@@ -255,15 +258,50 @@ def harness_ch2(tmp_path_factory, upstream_tree) -> Path:
 
 
 @pytest.mark.parametrize("order", [0, 1])
-def test_itq3_s_rows_and_matrix_vector_product(harness, harness_ch2, order, tmp_path):
+def test_itq3_s_rows_and_matrix_products(harness, harness_ch2, order, tmp_path):
     # GET_ROWS bit for bit (the C reference's operations and order); mul_mv on rotated F32 activations against float64
-    # X W^T over ggml's dequantised weights (measured NMSE 2e-14; bound 1e-10). 9 rows: a partial row group; 768
-    # wide with 2-block chunks: a partial chunk
-    for exe, (n_rows, width, n_cols) in ((harness, (9, 768, 3)), (harness, (16, 256, 1)), (harness_ch2, (9, 768, 2))):
-        r = _itq3(exe, n_rows, width, n_cols, order, seed=width, tmp=tmp_path)
-        assert not r["rows_err"] and not r["mv_err"], r["rows_err"] + r["mv_err"]
+    # X W^T over ggml's dequantised weights (measured NMSE 2e-14; bound 1e-10); mul_mm (8 columns a threadgroup, 4 rows
+    # a simdgroup) equal to mul_mv bit for bit. 9 rows: a partial row group; 768 wide with 2-block chunks: a partial
+    # chunk; 3 and 19 columns: partial column groups
+    for exe, (n_rows, width, n_cols) in ((harness, (9, 768, 3)), (harness, (16, 256, 1)), (harness_ch2, (9, 768, 2)),
+                                         (harness, (21, 768, 19))):
+        r = _itq3(exe, n_rows, width, n_cols, order, seed=width + n_cols, tmp=tmp_path)
+        assert not r["rows_err"] and not r["mv_err"] and not r["mm_err"], r["rows_err"] + r["mv_err"] + r["mm_err"]
         assert np.array_equal(r["rows"].view(np.uint32), r["rows_ref"].view(np.uint32))
         assert _nmse(r["mv"], r["mv_ref"]) < 1e-10, _nmse(r["mv"], r["mv_ref"])
+        assert np.array_equal(r["mm"].view(np.uint32), r["mv"].view(np.uint32)), np.nanmax(np.abs(r["mm"] - r["mv"]))
+
+
+def _mul_mat_id(exe: Path, n_rows: int, width: int, n_expert: int, n_used: int, n_xrow: int, n_tok: int, order: int,
+                seed: int, tmp: Path) -> tuple[np.ndarray, np.ndarray, str]:
+    """(the kernel's MUL_MAT_ID [n_tok, n_used, n_rows], float64 over ggml's dequantised experts, stderr)."""
+    rng = np.random.default_rng(seed)
+    tid = bindings.type_from_name("itq3_s")
+    w = (rng.standard_normal((n_expert * n_rows, width)) * rng.uniform(0.01, 3.0, (n_expert * n_rows, 1))).astype(np.float32)
+    q = bindings.quantize(w, tid)
+    wd = bindings.dequantize(q, tid, width).reshape(n_expert, n_rows, width).astype(np.float64)
+    x = rng.standard_normal((n_tok, n_xrow, width)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_expert)[:n_used] for _ in range(n_tok)]).astype(np.int32)
+    ref = np.stack([np.stack([wd[ids[t, s]] @ x[t, s % n_xrow] for s in range(n_used)]) for t in range(n_tok)])
+    for name, a in (("w", q), ("x", x), ("ids", ids)):
+        (tmp / f"{name}.bin").write_bytes(np.ascontiguousarray(a).tobytes())
+    proc = subprocess.run([str(exe), "mul_mv_id", str(n_rows), str(width), str(n_expert), str(n_used), str(n_xrow),
+                           str(n_tok), str(order), *(str(tmp / f"{n}.bin") for n in ("w", "x", "ids")),
+                           str(tmp / "o.bin")], capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return np.full(ref.shape, np.nan), ref, proc.stderr
+    return np.fromfile(tmp / "o.bin", dtype=np.float32).reshape(ref.shape), ref, proc.stderr
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_itq3_s_mixture_of_experts_product(harness, order, tmp_path):
+    # MUL_MAT_ID: each (token, slot) takes its expert from ids; test-backend-ops' shapes: the token's activation row
+    # shared by every slot (the gate/up projections) or one row per slot (the down projection)
+    for n_xrow in (1, 2):
+        got, ref, err = _mul_mat_id(harness, 9, 512, n_expert=4, n_used=2, n_xrow=n_xrow, n_tok=3, order=order,
+                                    seed=n_xrow, tmp=tmp_path)
+        assert not err, err
+        assert _nmse(got, ref) < 1e-10, _nmse(got, ref)
 
 
 def test_emulation_refuses_a_barrier_some_threads_skip(tmp_path):
@@ -316,16 +354,19 @@ def test_the_library_source_the_build_makes_runs(tmp_path, upstream_tree):
     assert not err and np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     got, ref, err = _fa(exe, "isoquant3_0", "isoquant3_0", 128, 1, 4, 2, 64, 0, seed=2, tmp=tmp_path)
     assert not err and _nmse(got, ref) < 1e-10
-    r = _itq3(exe, 9, 768, 1, 0, seed=2, tmp=tmp_path)
-    assert _nmse(r["mv"], r["mv_ref"]) < 1e-10
+    r = _itq3(exe, 9, 768, 3, 0, seed=2, tmp=tmp_path)
+    assert _nmse(r["mv"], r["mv_ref"]) < 1e-10 and _nmse(r["mm"], r["mv_ref"]) < 1e-10
+    got, ref, err = _mul_mat_id(exe, 9, 256, 3, 2, 1, 2, 0, seed=2, tmp=tmp_path)
+    assert not err and _nmse(got, ref) < 1e-10
     # the names rq-metal.cpp builds: kernel_get_rows_<type>, kernel_set_rows_<type>_<i64|i32>,
-    # kernel_flash_attn_ext_iso_<K>_<V>_dk<D> for what rq_fa_instantiated accepts, kernel_mul_mv_itq3_s_f32
+    # kernel_flash_attn_ext_iso_<K>_<V>_dk<D> for what rq_fa_instantiated accepts, the ITQ3_S products
     host = (METAL_SRC / "rq-metal.cpp").read_text()
     names = {f"kernel_get_rows_{t}" for t in (*ISO_TYPES, "itq3_s")}
     names |= {f"kernel_set_rows_{t}_{i}" for t in ISO_TYPES for i in ("i64", "i32")}
     names |= {f"kernel_cpy_{a}_{b}" for t in ISO_TYPES for a, b in (("f32", t), (t, "f32"), (t, "f16"))}
     names |= {f"kernel_flash_attn_ext_iso_{k}_{v}_dk{d}" for k, v, d in FA_CASES}
-    names.add("kernel_mul_mv_itq3_s_f32")
+    names |= {"kernel_mul_mv_itq3_s_f32", "kernel_mul_mm_itq3_s_f32", "kernel_mul_mv_id_itq3_s_f32"}
+    assert set(re.findall(r'"(kernel_\w+)"', host)) <= names    # every name the host spells out in full
     for name in sorted(names):
         assert (f'host_name("{name}")' in text or f'RQ_FA_ISO("{name}",' in text     # a template's instance
                 or f"kernel void {name}(" in text), name                                # a plain kernel

@@ -18,9 +18,12 @@ namespace {
 
 constexpr int RQ_NW     = 32;   // threads of a simdgroup (the kernels assume N_SIMDWIDTH)
 constexpr int RQ_FA_NSG = 4;    // simdgroups of kernel_flash_attn_ext_iso (its instantiation)
-constexpr int RQ_MV_NSG = 4;    // ... of kernel_mul_mv_itq3_s_f32 <4, 2, 16>
+constexpr int RQ_MV_NSG = 4;    // ... of kernel_mul_mv_itq3_s_f32 <4, 2, 1, 16> and kernel_mul_mv_id_itq3_s_f32 <4, 2, 16>
 constexpr int RQ_MV_NR  = 2;
 constexpr int RQ_MV_CH  = 16;
+constexpr int RQ_MM_NR  = 4;    // ... of kernel_mul_mm_itq3_s_f32 = kernel_mul_mv_itq3_s_f32 <4, 4, 8, 2>
+constexpr int RQ_MM_NC  = 8;
+constexpr int RQ_MM_CH  = 2;
 
 std::atomic<uint64_t> rq_metal_fused{0};
 
@@ -162,28 +165,62 @@ void rq_encode_flash_attn(ggml_metal_library_t lib, ggml_metal_encoder_t enc, co
     ggml_metal_encoder_dispatch_threadgroups(enc, (int) q->ne[1], (int) q->ne[2], (int) q->ne[3], RQ_NW, RQ_FA_NSG, 1);
 }
 
-void rq_encode_mul_mv(ggml_metal_library_t lib, ggml_metal_encoder_t enc, const ggml_tensor * op) {
+// ITQ3_S x F32: one column -> the matrix-vector kernel; more -> the same kernel over 8 columns per threadgroup
+// (each row's codes decoded once for 8 columns; a column's result is the matrix-vector kernel's, bit for bit)
+void rq_encode_mul_mat(ggml_metal_library_t lib, ggml_metal_encoder_t enc, const ggml_tensor * op) {
     const ggml_tensor * src0 = op->src[0];
     const ggml_tensor * src1 = op->src[1];
+    const bool mm = src1->ne[1] > 1;
+    const int nr = mm ? RQ_MM_NR : RQ_MV_NR;
+    const int nc = mm ? RQ_MM_NC : 1;
     ggml_metal_kargs_mul_mv args = {
         /*.ne00 =*/ (int32_t) src0->ne[0], /*.ne01 =*/ (int32_t) src0->ne[1], /*.ne02 =*/ (int32_t) src0->ne[2],
         /*.nb00 =*/ src0->nb[0], /*.nb01 =*/ src0->nb[1], /*.nb02 =*/ src0->nb[2], /*.nb03 =*/ src0->nb[3],
         /*.ne10 =*/ (int32_t) src1->ne[0], /*.ne11 =*/ (int32_t) src1->ne[1], /*.ne12 =*/ (int32_t) src1->ne[2],
         /*.nb10 =*/ src1->nb[0], /*.nb11 =*/ src1->nb[1], /*.nb12 =*/ src1->nb[2], /*.nb13 =*/ src1->nb[3],
         /*.ne0  =*/ (int32_t) op->ne[0], /*.ne1 =*/ (int32_t) op->ne[1],
-        /*.nr0  =*/ RQ_MV_NR,
+        /*.nr0  =*/ nr,
         /*.r2   =*/ (int16_t) (src1->ne[2]/src0->ne[2]), /*.r3 =*/ (int16_t) (src1->ne[3]/src0->ne[3]),
     };
-    const int rows_per_tg = RQ_MV_NSG*RQ_MV_NR;
-    const int chunk = (int) std::min<int64_t>(RQ_MV_CH, src0->ne[0]/256);
-    ggml_metal_encoder_set_pipeline(enc, rq_pipeline(lib, "kernel_mul_mv_itq3_s_f32"));
+    const int rows_per_tg = RQ_MV_NSG*nr;
+    const int64_t chunk = std::min<int64_t>(mm ? RQ_MM_CH : RQ_MV_CH, src0->ne[0]/256);
+    ggml_metal_encoder_set_pipeline(enc, rq_pipeline(lib, mm ? "kernel_mul_mm_itq3_s_f32" : "kernel_mul_mv_itq3_s_f32"));
     ggml_metal_encoder_set_bytes   (enc, &args, sizeof(args), 0);
     ggml_metal_encoder_set_buffer  (enc, rq_buf(src0), 1);
     ggml_metal_encoder_set_buffer  (enc, rq_buf(src1), 2);
     ggml_metal_encoder_set_buffer  (enc, rq_buf(op),   3);
+    ggml_metal_encoder_set_threadgroup_memory_size(enc, sizeof(float)*256*nc*chunk, 0);
+    ggml_metal_encoder_dispatch_threadgroups(enc, (int) ((src0->ne[1] + rows_per_tg - 1)/rows_per_tg),
+                                             (int) ((src1->ne[1] + nc - 1)/nc), (int) (src1->ne[2]*src1->ne[3]),
+                                             RQ_NW, RQ_MV_NSG, 1);
+}
+
+// MUL_MAT_ID on ITQ3_S experts: upstream's mul_mv_id grid, z = (token, expert slot)
+void rq_encode_mul_mat_id(ggml_metal_library_t lib, ggml_metal_encoder_t enc, const ggml_tensor * op) {
+    const ggml_tensor * src0 = op->src[0];
+    const ggml_tensor * src1 = op->src[1];
+    const ggml_tensor * ids  = op->src[2];
+    ggml_metal_kargs_mul_mv_id args = {
+        /*.nei0 =*/ (int32_t) ids->ne[0], /*.nei1 =*/ (int32_t) ids->ne[1], /*.nbi1 =*/ ids->nb[1],
+        /*.ne00 =*/ (int32_t) src0->ne[0], /*.ne01 =*/ (int32_t) src0->ne[1], /*.ne02 =*/ (int32_t) src0->ne[2],
+        /*.nb00 =*/ src0->nb[0], /*.nb01 =*/ src0->nb[1], /*.nb02 =*/ src0->nb[2],
+        /*.ne10 =*/ (int32_t) src1->ne[0], /*.ne11 =*/ (int32_t) src1->ne[1], /*.ne12 =*/ (int32_t) src1->ne[2],
+        /*.ne13 =*/ (int32_t) src1->ne[3],
+        /*.nb10 =*/ src1->nb[0], /*.nb11 =*/ src1->nb[1], /*.nb12 =*/ src1->nb[2],
+        /*.ne0  =*/ (int32_t) op->ne[0], /*.ne1 =*/ (int32_t) op->ne[1], /*.nb1 =*/ op->nb[1],
+        /*.nr0  =*/ RQ_MV_NR,
+    };
+    const int rows_per_tg = RQ_MV_NSG*RQ_MV_NR;
+    const int64_t chunk = std::min<int64_t>(RQ_MV_CH, src0->ne[0]/256);
+    ggml_metal_encoder_set_pipeline(enc, rq_pipeline(lib, "kernel_mul_mv_id_itq3_s_f32"));
+    ggml_metal_encoder_set_bytes   (enc, &args, sizeof(args), 0);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(src0), 1);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(src1), 2);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(op),   3);
+    ggml_metal_encoder_set_buffer  (enc, rq_buf(ids),  4);
     ggml_metal_encoder_set_threadgroup_memory_size(enc, sizeof(float)*256*chunk, 0);
-    ggml_metal_encoder_dispatch_threadgroups(enc, (int) ((src0->ne[1] + rows_per_tg - 1)/rows_per_tg), (int) src1->ne[1],
-                                             (int) (src1->ne[2]*src1->ne[3]), RQ_NW, RQ_MV_NSG, 1);
+    ggml_metal_encoder_dispatch_threadgroups(enc, (int) ((src0->ne[1] + rows_per_tg - 1)/rows_per_tg), 1,
+                                             (int) (ids->ne[0]*ids->ne[1]), RQ_NW, RQ_MV_NSG, 1);
 }
 
 } // namespace
@@ -224,9 +261,13 @@ int ggml_metal_rq_supports_op(const ggml_metal_device_props * props, const ggml_
                    src0->nb[0] == ggml_type_size(src0->type) && op->nb[0] == ggml_type_size(op->type);
         }
         case GGML_OP_MUL_MAT:
-            // ITQ3_S x F32: the matrix-vector kernel for every batch (no mul_mm yet: prompts run it per column)
             return src0->type == GGML_TYPE_ITQ3_S && src1->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
                    ggml_is_contiguous(src0) && src1->nb[0] == sizeof(float) && src0->ne[0] % 256 == 0;
+        case GGML_OP_MUL_MAT_ID:
+            // the activation rows of a token: [ne10, 1 or n_expert_used]; ids I32 [n_expert_used, n_tokens]
+            return src0->type == GGML_TYPE_ITQ3_S && src1->type == GGML_TYPE_F32 && op->type == GGML_TYPE_F32 &&
+                   op->src[2]->type == GGML_TYPE_I32 && ggml_is_contiguous(src0) && src1->nb[0] == sizeof(float) &&
+                   src0->ne[0] % 256 == 0 && src1->ne[3] == 1 && ggml_is_contiguous(op);
         case GGML_OP_FLASH_ATTN_EXT: {
             const ggml_tensor * k = op->src[1];
             const ggml_tensor * v = op->src[2];
@@ -241,7 +282,7 @@ int ggml_metal_rq_supports_op(const ggml_metal_device_props * props, const ggml_
                    ggml_are_same_shape(k, v);
         }
         default:
-            // MUL_MAT_ID on ITQ3_S, DUP/CONT of our types, ...: not on this device yet; the scheduler runs them on
+            // DUP/CONT and reshaping copies of our types, ...: not on this device yet; the scheduler runs them on
             // the CPU
             return 0;
     }
@@ -263,7 +304,11 @@ bool ggml_metal_rq_encode(ggml_metal_library_t lib, ggml_metal_encoder_t enc, co
             return true;
         case GGML_OP_MUL_MAT:
             if (op->src[0]->type != GGML_TYPE_ITQ3_S) return false;
-            rq_encode_mul_mv(lib, enc, op);
+            rq_encode_mul_mat(lib, enc, op);
+            return true;
+        case GGML_OP_MUL_MAT_ID:
+            if (op->src[0]->type != GGML_TYPE_ITQ3_S) return false;
+            rq_encode_mul_mat_id(lib, enc, op);
             return true;
         case GGML_OP_FLASH_ATTN_EXT:
             if (!ggml_rq_type_is_iso(op->src[1]->type) && !ggml_rq_type_is_iso(op->src[2]->type)) return false;
