@@ -21,6 +21,9 @@ def recipes_help() -> str:
         t = r.table()
         lines.append(f"  {r.name:<17} {r.summary}")
         lines.append("      " + ", ".join(f"{role}={t[role]}" for role in _ROLE_ORDER))
+        if r.rules:
+            lines.append("      then: " + "; ".join(f"{k} -> {v}" for k, v in t.items() if k not in _ROLE_ORDER
+                                                    and ": " in k) + ("; no kurtosis promotion" if not r.promote else ""))
     lines += [
         "",
         "roles: attention = blk.N.attn_*; ffn_dense = blk.N.ffn_{gate,up,down}; ffn_routed = *_exps (MoE",

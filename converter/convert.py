@@ -299,6 +299,7 @@ def _convert_hf(folder: Path, tmp_out: Path, data_file: Any, planner: Planner, i
             model = hf.build_model(src, backend, root, tmp_out, make_writer)
             holder["model"] = model
             planner.tied = hf.output_is_tied(model)
+            planner.n_layers = getattr(model, "block_count", None)
             if opts.dry_run:
                 model.prepare_tensors()
             else:
@@ -318,6 +319,7 @@ def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, i
     r = gguf_source.open_gguf(path)
     names = [t.name for t in r.tensors]
     planner.tied = "output.weight" not in names
+    planner.n_layers = R.n_layers(names)
     result.n_weights = int(sum(int(t.n_elements) for t in r.tensors))
     keep: dict[str, bool] = {}
     for t in r.tensors:

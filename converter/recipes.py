@@ -1,9 +1,10 @@
 """Recipes (role -> type), the kurtosis promotion rule, ``--tensor-type`` overrides and llama.cpp's
 block-size fallback: everything that decides one tensor's type, with the reasons kept for the table.
 
-Order of decisions for a tensor: recipe type for its role -> kurtosis promotion (one step up the
-ladder) -> first matching ``--tensor-type`` override (wins over both) -> fallback when the row length
-does not fit the type's block (llama.cpp's table). Norms, 1-D tensors and routers stay F32 (as
+Order of decisions for a tensor: recipe type for its role -> the recipe's first matching rule (a
+mixture's per-tensor refinement, as llama-quantize's _M types spend bits) -> kurtosis promotion (one
+step up the ladder) -> first matching ``--tensor-type`` override (wins over all) -> fallback when the
+row length does not fit the type's block (llama.cpp's table). Norms, 1-D tensors and routers stay F32 (as
 convert_hf_to_gguf and llama-quantize keep them).
 """
 
@@ -28,6 +29,32 @@ LLAMA_DEFAULT = "llama.cpp default"
 
 
 @dataclass(frozen=True)
+class Rule:
+    """Within ``roles``, tensors whose name matches ``pattern`` (searched) take ``qtype``; with
+    ``outer_layers``, only outside the middle quarter of the layers (those sit nearest the average
+    input, as llama-quantize's use_more_bits spares the middle too)."""
+    pattern: str
+    roles: tuple[str, ...]
+    qtype: QT
+    outer_layers: bool = False
+
+    def applies(self, name: str, role: str, n_layers: int | None) -> bool:
+        if role not in self.roles or not re.search(self.pattern, name):
+            return False
+        if not self.outer_layers:
+            return True
+        m = re.match(r"blk\.(\d+)\.", name)
+        if m is None or not n_layers:
+            return True
+        lo = 3 * n_layers // 8
+        return not lo <= int(m.group(1)) < lo + (n_layers + 3) // 4
+
+    @property
+    def text(self) -> str:
+        return f"{self.pattern}={type_name(self.qtype)}" + (" (outer layers)" if self.outer_layers else "")
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     summary: str
@@ -35,6 +62,7 @@ class Recipe:
     token_embd: QT                # untied token embeddings (llama.cpp: the file's base type)
     output: QT | None             # None: llama.cpp's rule (Q6_K; Q8_0 when rows do not fit 256)
     promote: bool = True          # whether the kurtosis rule applies
+    rules: tuple[Rule, ...] = ()  # per-tensor refinements of the role types, first match wins
 
     def table(self) -> dict[str, str]:
         """role -> type text, for --help, docs and metadata."""
@@ -43,6 +71,9 @@ class Recipe:
         out[R.OUTPUT] = type_name(self.output) if self.output is not None else "q6_K (q8_0 if rows % 256)"
         for role in R.KEPT_F32:
             out[role] = "f32"
+        for r in self.rules:
+            out[f"{'/'.join(r.roles)}: {r.pattern}"] = type_name(r.qtype) + (" in the outer layers" if r.outer_layers
+                                                                          else "")
         return out
 
 
@@ -61,6 +92,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     _mixed("rotaryquant", "the paper's per-role mix: attention and dense FFN 4-bit, routed experts 2-bit, "
            "shared experts 8-bit", QT.Q4_K, QT.Q4_K, QT.Q2_K, QT.Q8_0),
     _mixed("itq3", "every linear weight ITQ3_S (3.125 bpw)", QT.ITQ3_S, QT.ITQ3_S, QT.ITQ3_S, QT.ITQ3_S),
+    # IQ3_S's size, spent as llama-quantize's _M mixtures spend bits (docs/results/weights-ftype-qwen.md: the
+    # whole-file KLD 0.71x IQ3_S + imatrix's on Qwen2.5-1.5B); no kurtosis promotion: the rules set the budget
+    Recipe("itq3-m", "ITQ3_S mixture at IQ3_S's size: untied token embeddings ITQ3_S (a lookup), attn_k/attn_v "
+           "Q6_K, dense ffn_down Q4_K outside the middle quarter of the layers, the rest ITQ3_S",
+           {R.ATTENTION: QT.ITQ3_S, R.FFN_DENSE: QT.ITQ3_S, R.FFN_ROUTED: QT.ITQ3_S, R.FFN_SHARED: QT.ITQ3_S,
+            R.OTHER: QT.Q8_0}, token_embd=QT.ITQ3_S, output=None, promote=False,
+           rules=(Rule(r"attn_[kv]\.", (R.ATTENTION,), QT.Q6_K),
+                  Rule(r"ffn_down\.", (R.FFN_DENSE,), QT.Q4_K, outer_layers=True))),
     _mixed("rotaryquant-itq3", "the paper's roles with ITQ3_S where 4-bit was; routed experts stay Q2_K, "
            "shared experts Q8_0", QT.ITQ3_S, QT.ITQ3_S, QT.Q2_K, QT.Q8_0),
     _flat("f16", QT.F16), _flat("bf16", QT.BF16), _flat("q8_0", QT.Q8_0), _flat("f32", QT.F32),
@@ -142,8 +181,10 @@ class Planner:
 
     def __init__(self, recipe: Recipe, *, overrides: list[Override] = (), threshold: float = KURTOSIS_THRESHOLD,
                  act_threshold: float = ACT_KURTOSIS_THRESHOLD, promote: bool = True, tied: bool = False,
-                 imatrix: dict[str, np.ndarray] | None = None, measure: bool | None = None) -> None:
+                 imatrix: dict[str, np.ndarray] | None = None, measure: bool | None = None,
+                 n_layers: int | None = None) -> None:
         self.recipe = recipe
+        self.n_layers = n_layers   # for the recipe's layer rules; set by the converter once the model is known
         self.overrides = list(overrides)
         self.threshold = threshold
         self.act_threshold = act_threshold
@@ -178,6 +219,10 @@ class Planner:
             return d
         cols = shape[-1]
         t, why = self._role_type(role, cols)
+        for rule in self.recipe.rules:
+            if rule.applies(name, role, self.n_layers):
+                t, why = rule.qtype, f"{why}; {self.recipe.name} rule {rule.text} -> {type_name(rule.qtype)}"
+                break
         d = Decision(name, role, shape, t, base=t, reasons=[why])
         if self.measure and role in R.PROMOTABLE:
             d.kurtosis = excess_kurtosis(data)

@@ -63,3 +63,9 @@ def classify(name: str, n_dims: int) -> str:
     if _DENSE.search(name):
         return FFN_DENSE
     return OTHER
+
+
+def n_layers(names: list[str] | tuple[str, ...]) -> int | None:
+    """Layers of a GGUF's tensor names (``blk.N.``): the highest N + 1, None when there are none."""
+    idx = [int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))]
+    return max(idx) + 1 if idx else None

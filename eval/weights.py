@@ -41,7 +41,7 @@ class Variant:
     recipe: str | None = None       # made by rq-convert with this recipe, not llama-quantize
     calibrate: bool = False         # rq-convert --calibrate on the calibration text
     promote: bool = False           # rq-convert's kurtosis promotion on (the recipe as users run it)
-    overrides: tuple[str, ...] = () # rq-convert --tensor-type REGEX=TYPE, in order
+    overrides: tuple[str, ...] = () # --tensor-type REGEX=TYPE, in order (rq-convert or llama-quantize)
 
 
 CALIB_TOKENS = 4096  # calibration tokens for every calibrated variant (8 imatrix chunks of 512)
@@ -53,13 +53,18 @@ DEFAULT_VARIANTS = (
       for label in ("Q4_K_M", "Q3_K_M", "Q3_K_S", "IQ3_S", "ITQ3_S") for suffix in ("", "+imat")),
     # llama-quantize's IQ3_XXS mixture puts some tensors in IQ2_S, which refuses to run without an imatrix
     Variant("IQ3_XXS+imat", "IQ3_XXS", imatrix=True),
+    Variant("IQ3_M+imat", "IQ3_M", imatrix=True),   # llama-quantize's own IQ3_S mixture
     Variant("ITQ3_S/rq", "ITQ3_S", recipe="itq3"),
     Variant("ITQ3_S/rq+cal", "ITQ3_S", recipe="itq3", calibrate=True),
-    # a mixture at IQ3_S's size, as llama-quantize's _M types spend bits: token embeddings (a lookup, not a matmul)
-    # in ITQ3_S instead of Q4_K, the saving spent on attn_k/attn_v (Q6_K, 1.2% of the weights) and ffn_down
-    # (Q4_K in 21 of 28 layers: all but the middle 10-16) on Qwen2.5-1.5B
-    Variant("ITQ3_S-M/rq+cal", "ITQ3_S", recipe="itq3", calibrate=True,
-            overrides=("token_embd=itq3_s", r"attn_[kv]\.=q6_K", r"blk\.([0-9]|1[7-9]|2[0-9])\.ffn_down=q4_K")),
+    # `rq-convert --recipe itq3-m` as it runs by default (calibrated, no promotion): IQ3_S's size spent as
+    # llama-quantize's _M types spend bits: untied token embeddings (a lookup, not a matmul) ITQ3_S instead of Q4_K,
+    # the saving spent on attn_k/attn_v (Q6_K, 1.2% of the weights) and ffn_down (Q4_K outside the middle quarter of
+    # the layers: 21 of 28 on Qwen2.5-1.5B)
+    Variant("ITQ3_S-M/rq+cal", "ITQ3_S", recipe="itq3-m", calibrate=True),
+    # the control for the row above: the same mixture with IQ3_S + imatrix where ITQ3_S is (llama-quantize
+    # --tensor-type), so the table says what the format adds and what the bit allocation adds
+    Variant("IQ3_S-M+imat", "IQ3_S", imatrix=True,
+            overrides=("token_embd=iq3_s", r"attn_[kv]\.=q6_K", r"blk\.([0-9]|1[7-9]|2[0-9])\.ffn_down=q4_K")),
     # the default recipe as `rq-convert model/ out.gguf` makes it (dense weights 4-bit, kurtosis promotion on)
     Variant("rotaryquant", "Q4_K_M", recipe="rotaryquant", promote=True),
 )
@@ -112,6 +117,8 @@ def quantize(f16: Path, v: Variant, dst: Path, imatrix: Path | None, threads: in
         cmd += ["--imatrix", imatrix]
     if v.tensor_type:
         cmd += ["--tensor-type", v.tensor_type]
+    for o in v.overrides:
+        cmd += ["--tensor-type", o]
     tmp = dst.with_suffix(".partial")
     _run([*cmd, f16, tmp, v.ftype, str(threads)], f"llama-quantize {v.label}")
     tmp.replace(dst)

@@ -220,20 +220,33 @@ def weight_rows() -> list[tuple[str, ...]]:
     w = weights()
     f16, itq, cal, imat, iq3, iq3i = (w[k] for k in ("F16", "ITQ3_S", "ITQ3_S/rq+cal", "ITQ3_S+imat", "IQ3_S",
                                                      "IQ3_S+imat"))
+    mix, iq3m, rq, q4km = (w[k] for k in ("ITQ3_S-M/rq+cal", "IQ3_S-M+imat", "rotaryquant", "Q4_K_M"))
     speed = (f"decode {ratio(wspeed('tg', 'IQ3_S'))} IQ3_S, {ratio(wspeed('tg', 'Q4_K_M'))} Q4_K_M; "
              f"prompt {ratio(wspeed('pp', 'IQ3_S'))} IQ3_S")
+    q = lambda r: (f"KLD {sig3(r['kld_mean'])}, p99 {sig3(r['kld_p99'])}, same top-1 "  # noqa: E731
+                   f"{r['same_top_p']:.1f}%, ΔPPL {dppl(r, f16)}")
     return [
-        ("weights `itq3_s`: `rq-convert --recipe itq3` (calibrated by default)", f"{cal['bpw']:.2f}",
+        ("weights `itq3_s` mixture: `rq-convert --recipe itq3-m` (calibrated by default)", f"{mix['bpw']:.2f}",
+         f"{q(mix)}; IQ3_S + imatrix at {iq3i['bpw']:.2f} bits: {q(iq3i)}", "ITQ3_S tensors as below",
+         holds(mix["bpw"] <= iq3i["bpw"] and mix["kld_mean"] <= 0.9 * iq3i["kld_mean"]
+               and mix["kld_p99"] <= iq3i["kld_p99"] and mix["same_top_p"] >= iq3i["same_top_p"],
+               f"yes: {mix['kld_mean'] / iq3i['kld_mean']:.2f}× IQ3_S + imatrix's KLD at its size; the mixture is "
+               f"the lever (IQ3_S + imatrix in it: {sig3(iq3m['kld_mean'])} at {iq3m['bpw']:.2f} bits)")),
+        ("weights `itq3_s`: `rq-convert --recipe itq3` (every linear weight ITQ3_S, calibrated)", f"{cal['bpw']:.2f}",
          f"KLD {sig3(cal['kld_mean'])}, ΔPPL {dppl(cal, f16)}; IQ3_S + imatrix at {iq3i['bpw']:.2f} bits: "
          f"{sig3(iq3i['kld_mean'])}, {dppl(iq3i, f16)}", speed,
          holds(abs(cal["kld_mean"] - iq3i["kld_mean"]) < 0.005 and cal["bpw"] < iq3i["bpw"],
-               "yes, calibrated: ties IQ3_S + imatrix in fewer bits")),
+               "ties IQ3_S + imatrix in fewer bits; heavier tail (p99 "
+               f"{sig3(cal['kld_p99'])} vs {sig3(iq3i['kld_p99'])})")),
         ("weights `itq3_s`, plain or with an imatrix only", f"{itq['bpw']:.2f}",
          f"KLD {sig3(itq['kld_mean'])} (imatrix {sig3(imat['kld_mean'])}); IQ3_S {sig3(iq3['kld_mean'])}",
          "as above",
          holds(itq["kld_mean"] > iq3["kld_mean"] and imat["kld_mean"] > iq3i["kld_mean"], "no: calibrate, or use IQ3_S")),
-        ("weights `rq-convert --recipe rotaryquant`", "per role", "runs end to end; whole-model quality not measured",
-         "not measured", "for MoE models: 2-bit routed experts"),
+        ("weights `rq-convert --recipe rotaryquant` (the default)", f"{rq['bpw']:.2f}",
+         f"{q(rq)}; Q4_K_M at {q4km['bpw']:.2f} bits: {q(q4km)}", "not measured",
+         holds(abs(rq["kld_mean"] - q4km["kld_mean"]) < 0.002,
+               "ties Q4_K_M on a dense model (kurtosis promotions cost the extra bits); made for MoE: 2-bit routed "
+               "experts")),
     ]
 
 

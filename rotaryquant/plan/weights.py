@@ -51,8 +51,9 @@ def recipe_types(h: Header, recipe: str) -> tuple[dict[str, int], int]:
     from rotaryquant.converter.recipes import Planner, get_recipe
 
     try:
-        pl = Planner(get_recipe(recipe), promote=False, measure=False,
-                     tied="output.weight" not in {t.name for t in h.tensors})
+        names = [t.name for t in h.tensors]
+        pl = Planner(get_recipe(recipe), promote=False, measure=False, tied="output.weight" not in names,
+                     n_layers=R.n_layers(names))
     except ConvertError as e:
         raise PlanError(str(e)) from None
     zero = np.zeros(1, np.float32)

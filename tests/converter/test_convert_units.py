@@ -141,6 +141,31 @@ def test_embeddings_and_output_follow_llama_cpp():
     assert tied.decide("token_embd.weight", np.ones((10, 576), np.float32)).qtype == QT.Q8_0
 
 
+def test_itq3_m_mixture_rules():
+    # IQ3_S's size spent as llama-quantize's _M types do: attn_k/attn_v Q6_K everywhere, dense ffn_down Q4_K outside
+    # the middle quarter of the layers (28 layers: 10-16 keep ITQ3_S), untied embeddings ITQ3_S, no promotion
+    heavy = np.random.default_rng(0).standard_t(3, (256, 512)).astype(np.float32)   # kurtosis far above 5
+    pl = Planner(get_recipe("itq3-m"), tied=False, n_layers=28)
+    got = {i: pl.decide(f"blk.{i}.ffn_down.weight", heavy).qtype for i in range(28)}
+    assert [i for i, t in got.items() if t == QT.ITQ3_S] == list(range(10, 17))
+    assert {t for i, t in got.items() if not 10 <= i < 17} == {QT.Q4_K}
+    for name, want in (("blk.3.attn_k.weight", QT.Q6_K), ("blk.12.attn_v.weight", QT.Q6_K),
+                       ("blk.3.attn_q.weight", QT.ITQ3_S), ("blk.3.attn_output.weight", QT.ITQ3_S),
+                       ("blk.0.ffn_gate.weight", QT.ITQ3_S), ("token_embd.weight", QT.ITQ3_S),
+                       ("output.weight", QT.Q6_K), ("blk.0.ffn_down_exps.weight", QT.ITQ3_S)):
+        d = pl.decide(name, heavy)
+        assert d.qtype == want and not d.promoted, (name, d.qtype, d.why)
+    assert "itq3-m rule attn_[kv]" in pl.decide("blk.1.attn_k.weight", heavy).why
+    # a tied embedding is the output matrix: llama.cpp's output rule, not the lookup's ITQ3_S
+    assert Planner(get_recipe("itq3-m"), tied=True).decide("token_embd.weight", heavy).qtype == QT.Q6_K
+    # the quarter scales with depth; an override still wins over a rule
+    pl = Planner(get_recipe("itq3-m"), tied=False, n_layers=8, overrides=[parse_override("blk\\.0\\.ffn_down=q8_0")])
+    assert [i for i in range(8) if pl.decide(f"blk.{i}.ffn_down.weight", heavy).qtype == QT.ITQ3_S] == [3, 4]
+    assert pl.decisions[0].qtype == QT.Q8_0 and pl.decisions[0].overridden
+    assert R.n_layers(["token_embd.weight", "blk.0.attn_k.weight", "blk.27.ffn_up.weight"]) == 28
+    assert R.n_layers(["token_embd.weight"]) is None
+
+
 def test_override_parsing():
     o = parse_override("BLK\\.0\\..*=Q8_0")
     assert o.pattern == "blk\\.0\\..*" and o.qtype == QT.Q8_0   # lower-cased like llama-quantize
