@@ -29,7 +29,7 @@ KV_DEFAULT = ("f16", "q8_0", "q8_0/isoquant3_0+calib", "q4_0+calib", "isoquant4_
 # planned as llama.cpp runs them: on the CPU an IsoQuant V cache keeps its default recent window ("+w16"), the
 # largest quality lever measured (docs/results/*-window-*); on a GPU there is none (the kernels lack it)
 
-RECIPES = ("rotaryquant", "rotaryquant-itq3", "itq3", "q8_0", "f16", "bf16")
+RECIPES = ("rotaryquant", "rotaryquant-itq3", "itq3-m", "itq3", "q8_0", "f16", "bf16")
 
 
 @dataclass

@@ -43,6 +43,11 @@ def _result_files(results: Path, pattern: str) -> Iterator[tuple[Path, dict]]:
             continue
 
 
+# rq-eval weights rows made by rq-convert, calibrated as by default, without kurtosis promotion (as rq-plan
+# plans a recipe): the recipe they measure
+RECIPE_ROWS = {"ITQ3_S/rq+cal": "itq3", "ITQ3_S-M/rq+cal": "itq3-m"}
+
+
 def load_measurements(results: Path = RESULTS) -> list[Measurement]:
     """Every KLD in docs/results that rq-plan can use: KV types (kv-quality*.json, fused, not deferred)
     and whole-model weight types (weights-*.json rows that requantise every tensor)."""
@@ -63,7 +68,7 @@ def load_measurements(results: Path = RESULTS) -> list[Measurement]:
             # "Q8_0" rows requantise every tensor; "role=type" rows change one role only
             if "=" in label or r.get("kld_mean") is None:
                 continue
-            out.append(Measurement("weights", label.lower(), km.id if km else d["model"],
+            out.append(Measurement("weights", RECIPE_ROWS.get(label, label.lower()), km.id if km else d["model"],
                                    f"{km.label if km else d['model']} ({d['model']}, requantised from its F16)",
                                    int(d.get("ctx", 0)), float(r["kld_mean"]), p.name))
     return out
