@@ -37,6 +37,7 @@ import numpy as np
 
 from rotaryquant.converter import kcenter
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.files import publish
 
 if TYPE_CHECKING:
     from rotaryquant.bindings.capture import Node
@@ -243,7 +244,7 @@ class Stats:
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-            os.replace(tmp, path)
+            publish(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -31,6 +31,7 @@ from rotaryquant.converter.recipes import (ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRE
                                            parse_override)
 from rotaryquant.converter.writer import META_PREFIX, StreamingWriter
 from rotaryquant.errors import RQError
+from rotaryquant.files import publish
 
 if TYPE_CHECKING:
     from rotaryquant.converter.calibration import Stats
@@ -392,7 +393,7 @@ def convert(source: str | Path, output: str | Path | None, opts: Options | None 
             _check_calibration_used(result, opts)
         if not opts.dry_run:
             assert out is not None
-            os.replace(tmp_out, out)
+            publish(tmp_out, out)
             result.output = out
             result.output_bytes = out.stat().st_size
             result.file_type = file_type_for(planner.weights_per_type()).name

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.files import publish
 
 
 def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
@@ -94,7 +95,7 @@ def subset_imatrix(src: str | Path, dst: str | Path, names: list[str] | set[str]
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp, dst)
+        publish(tmp, dst)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

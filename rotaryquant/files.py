@@ -17,3 +17,14 @@ def sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def publish(tmp: str | Path, dst: str | Path) -> None:
+    """Renames a finished temp file onto ``dst`` with the mode a new file gets (0666 less the umask):
+    mkstemp makes its files 0600, which a plain rename would hand on to the user's output."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    os.replace(tmp, dst)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rotaryquant.errors import RQError
+from rotaryquant.files import publish
 
 MAGIC = 0x46554747            # "GGUF", little-endian (gguf.GGUF_MAGIC)
 DEFAULT_ALIGNMENT = 32        # gguf.GGUF_DEFAULT_ALIGNMENT
@@ -379,7 +380,7 @@ def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop: Call
                 done += len(chunk)
                 if progress is not None:
                     progress(done, total)
-        os.replace(tmp, dst)
+        publish(tmp, dst)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)

@@ -5,6 +5,8 @@ are exactly ggml's / our numpy quantiser's; streaming, dry run, overrides, imatr
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -173,6 +175,9 @@ def test_cli_overrides_and_table(smol2_hf, tmp_path, capsys, h):
     rc = cli_main([str(smol2_hf), str(out), "--recipe", "itq3", "--no-progress", "--no-promote", "--no-calibrate",
                    "--tensor-type", "attn_v=q8_0", "--tensor-type", "BLK\\.1\\.ffn_down=q6_k"])
     assert rc == 0
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~mask   # a new file's mode, not the temp file's 0600
     text = capsys.readouterr().out
     ts = h.tensors(out)
     assert ts["blk.0.attn_v.weight"].tensor_type == QT.Q8_0
