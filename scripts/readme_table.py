@@ -112,19 +112,19 @@ def weights() -> dict[str, dict]:
     return {r["label"]: r for r in load("weights-ftype-qwen")["rows"]}
 
 
-def wspeed(kind: str, against: str) -> float:
-    """ITQ3_S t/s over another file's (``rq-eval weight-speed``, as REPORT.md computes it: the median of the
+def wspeed(kind: str, against: str, mine: str = "ITQ3_S", result: str = "weight-speed-qwen") -> float:
+    """``mine``'s t/s over another file's (``rq-eval weight-speed``, as REPORT.md computes it: the median of the
     per-round ratios when the other file is the run's baseline, else the ratio of the medians)."""
-    rows = load("weight-speed-qwen")["rows"]
+    rows = load(result)["rows"]
 
     def find(t: str) -> dict:
         for r in rows:
             n = r["file"]["name"].upper()
             if f".{t}." in n or n.endswith(f"-{t}.GGUF"):
                 return r
-        raise KeyError(f"weight-speed-qwen.json: no {t} file")
+        raise KeyError(f"{result}.json: no {t} file")
 
-    itq, other = find("ITQ3_S"), find(against)
+    itq, other = find(mine), find(against)
     return itq[kind]["ratio"]["median"] if other is rows[0] else itq[kind]["median"] / other[kind]["median"]
 
 
@@ -220,15 +220,19 @@ def weight_rows() -> list[tuple[str, ...]]:
     w = weights()
     f16, itq, cal, imat, iq3, iq3i = (w[k] for k in ("F16", "ITQ3_S", "ITQ3_S/rq+cal", "ITQ3_S+imat", "IQ3_S",
                                                      "IQ3_S+imat"))
-    mix, iq3m, rq, q4km = (w[k] for k in ("ITQ3_S-M/rq+cal", "IQ3_S-M+imat", "rotaryquant", "Q4_K_M"))
+    mix, iq3m, iq3mm, rq, q4km = (w[k] for k in ("ITQ3_S-M/rq+cal", "IQ3_S-M+imat", "IQ3_M+imat", "rotaryquant",
+                                                  "Q4_K_M"))
     speed = (f"decode {ratio(wspeed('tg', 'IQ3_S'))} IQ3_S, {ratio(wspeed('tg', 'Q4_K_M'))} Q4_K_M; "
              f"prompt {ratio(wspeed('pp', 'IQ3_S'))} IQ3_S")
     q = lambda r: (f"KLD {sig3(r['kld_mean'])}, p99 {sig3(r['kld_p99'])}, same top-1 "  # noqa: E731
                    f"{r['same_top_p']:.1f}%, ΔPPL {dppl(r, f16)}")
     return [
         ("weights `itq3_s` mixture: `rq-convert --recipe itq3-m` (calibrated by default)", f"{mix['bpw']:.2f}",
-         f"{q(mix)}; IQ3_S + imatrix at {iq3i['bpw']:.2f} bits: {q(iq3i)}", "ITQ3_S tensors as below",
-         holds(mix["bpw"] <= iq3i["bpw"] and mix["kld_mean"] <= 0.9 * iq3i["kld_mean"]
+         f"{q(mix)}; IQ3_S + imatrix at {iq3i['bpw']:.2f} bits: {q(iq3i)}; IQ3_M + imatrix at {iq3mm['bpw']:.2f}: "
+         f"KLD {sig3(iq3mm['kld_mean'])}",
+         f"decode {ratio(wspeed('tg', 'IQ3_S', 'ITQ3-M', 'weight-speed-itq3m-qwen'))} IQ3_S; "
+         f"prompt {ratio(wspeed('pp', 'IQ3_S', 'ITQ3-M', 'weight-speed-itq3m-qwen'))} IQ3_S",
+         holds(mix["bpw"] <= iq3i["bpw"] and mix["kld_mean"] <= 0.9 * iq3i["kld_mean"] and mix["kld_mean"] < iq3mm["kld_mean"]
                and mix["kld_p99"] <= iq3i["kld_p99"] and mix["same_top_p"] >= iq3i["same_top_p"],
                f"yes: {mix['kld_mean'] / iq3i['kld_mean']:.2f}× IQ3_S + imatrix's KLD at its size; the mixture is "
                f"the lever (IQ3_S + imatrix in it: {sig3(iq3m['kld_mean'])} at {iq3m['bpw']:.2f} bits)")),
