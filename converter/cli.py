@@ -22,8 +22,8 @@ def recipes_help() -> str:
         lines.append(f"  {r.name:<17} {r.summary}")
         lines.append("      " + ", ".join(f"{role}={t[role]}" for role in _ROLE_ORDER))
         if r.rules:
-            lines.append("      then: " + "; ".join(f"{k} -> {v}" for k, v in t.items() if k not in _ROLE_ORDER
-                                                    and ": " in k) + ("; no kurtosis promotion" if not r.promote else ""))
+            lines.append("      then: " + "; ".join(f"{k} -> {v}" for k, v in r.rule_table().items())
+                         + ("; no kurtosis promotion" if not r.promote else ""))
     lines += [
         "",
         "roles: attention = blk.N.attn_*; ffn_dense = blk.N.ffn_{gate,up,down}; ffn_routed = *_exps (MoE",

@@ -43,11 +43,11 @@ class Rule:
             return False
         if not self.outer_layers:
             return True
-        m = re.match(r"blk\.(\d+)\.", name)
-        if m is None or not n_layers:
+        i = R.layer(name)
+        if i is None or not n_layers:
             return True
         lo = 3 * n_layers // 8
-        return not lo <= int(m.group(1)) < lo + (n_layers + 3) // 4
+        return not lo <= i < lo + (n_layers + 3) // 4
 
     @property
     def text(self) -> str:
@@ -71,10 +71,13 @@ class Recipe:
         out[R.OUTPUT] = type_name(self.output) if self.output is not None else "q6_K (q8_0 if rows % 256)"
         for role in R.KEPT_F32:
             out[role] = "f32"
-        for r in self.rules:
-            out[f"{'/'.join(r.roles)}: {r.pattern}"] = type_name(r.qtype) + (" in the outer layers" if r.outer_layers
-                                                                          else "")
+        out.update(self.rule_table())
         return out
+
+    def rule_table(self) -> dict[str, str]:
+        """"roles: pattern" -> type text, one per rule, in order."""
+        return {f"{'/'.join(r.roles)}: {r.pattern}": type_name(r.qtype) + (" in the outer layers" if r.outer_layers
+                                                                          else "") for r in self.rules}
 
 
 def _mixed(name: str, summary: str, attn: QT, dense: QT, routed: QT, shared: QT) -> Recipe:

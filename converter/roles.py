@@ -65,7 +65,13 @@ def classify(name: str, n_dims: int) -> str:
     return OTHER
 
 
+def layer(name: str) -> int | None:
+    """N of a layer tensor's name (``blk.N.``), None for the others."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
 def n_layers(names: list[str] | tuple[str, ...]) -> int | None:
-    """Layers of a GGUF's tensor names (``blk.N.``): the highest N + 1, None when there are none."""
-    idx = [int(m.group(1)) for n in names if (m := re.match(r"blk\.(\d+)\.", n))]
+    """Layers of a GGUF's tensor names: the highest N + 1, None when there are none."""
+    idx = [i for n in names if (i := layer(n)) is not None]
     return max(idx) + 1 if idx else None
