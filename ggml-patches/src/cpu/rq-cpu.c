@@ -68,28 +68,32 @@ RQ_INLINE float iso_block_d(const uint8_t * blk) {
     return GGML_CPU_FP16_TO_FP32(d);
 }
 
-// the bits*8-bit word of group g of a block's packed indices (ggml_rq_iso_word): one 4-byte load wherever the
-// block has a byte after the group's (the top byte is never shifted into an index: lanes read bits 0..8*bits-1),
-// the byte loop for the last group of a 3-bit block, which may end the buffer (the byte loop costs the 3-bit
-// unpack 13 instructions per 8 values, the load 5)
+// the bits*8-bit word of group g of a block's packed indices (ggml_rq_iso_word) in one 4-byte load: at the group's
+// first byte wherever the block has a byte after the group (the top byte is never shifted into an index: lanes
+// read bits 0..8*bits-1), and for the last group of a 3-bit block, which may end the buffer, one byte earlier and
+// shifted down (a byte loop there cost the 3-bit unpack 13 instructions per 8 values and kept loops rolled)
 RQ_INLINE uint32_t iso_word(const uint8_t * qs, int g, int bits, int ng) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    uint32_t w;
     if (bits == 4 || g < ng - 1) {
-        uint32_t w;
         memcpy(&w, qs + bits*g, sizeof(w));
         return w;
     }
-#endif
+    memcpy(&w, qs + bits*g - 1, sizeof(w));
+    return w >> 8;
+#else
     GGML_UNUSED(ng);
     return ggml_rq_iso_word(qs, g, bits);
+#endif
 }
 
 #if defined(__AVX2__)
 // codebook lookup for the 8 indices of one group: 8 levels in one register, 16 in two (the 4th index
-// bit, moved to the sign bit, selects the register)
+// bit, moved to the sign bit, selects the register); no mask: vpermps reads an index's low 3 bits, and the
+// 4th bit is shifted to the top, so the bits above a lane's index are never read
 typedef struct {
     __m256  lo, hi;
-    __m256i shifts, mask;
+    __m256i shifts;
     int     bits, ng;   // index width, groups of 8 per block
 } iso_lut;
 
@@ -99,14 +103,13 @@ RQ_INLINE iso_lut iso_lut_init(int bits, int qk) {
     L.lo     = _mm256_loadu_ps(cb);
     L.hi     = bits == 4 ? _mm256_loadu_ps(cb + 8) : L.lo;
     L.shifts = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(bits));
-    L.mask   = _mm256_set1_epi32((1 << bits) - 1);
     L.bits   = bits;
     L.ng     = qk/8;
     return L;
 }
 
 RQ_INLINE __m256 iso_lookup8(const iso_lut * L, const uint8_t * qs, int g) {
-    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int) iso_word(qs, g, L->bits, L->ng)), L->shifts), L->mask);
+    const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int) iso_word(qs, g, L->bits, L->ng)), L->shifts);
     const __m256  lo  = _mm256_permutevar8x32_ps(L->lo, idx);
     if (L->bits == 3) {
         return lo;
@@ -278,6 +281,7 @@ RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML
     }
 }
 
+#if !defined(__AVX2__)
 static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits, int qk) {
     if (qk == QK_ISO) {
         if (bits == 3) {
@@ -293,6 +297,7 @@ static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRIC
         }
     }
 }
+#endif
 
 #if !defined(__AVX2__)
 // iso_vec_dot on an unpacked row: the same operations in the same order (AVX2 scores packed keys: iso_score_rows)
@@ -329,18 +334,14 @@ static float iso_dot_unpacked(int n, const float * GGML_RESTRICT c, const float 
 }
 #endif
 
+#if !defined(__AVX2__)
 // acc += v * ||x_b|| * c[idx_b] in the rotated domain, on an unpacked row
 static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d, float v, int qk) {
     for (int ib = 0; ib < n / qk; ++ib) {
         const float vd = v*d[ib];
         float       * a  = acc + ib*qk;
         const float * cb = c   + ib*qk;
-#if defined(__AVX2__)
-        const __m256 s = _mm256_set1_ps(vd);
-        for (int g = 0; g < qk/8; ++g) {
-            _mm256_storeu_ps(a + 8*g, _mm256_add_ps(_mm256_loadu_ps(a + 8*g), _mm256_mul_ps(_mm256_loadu_ps(cb + 8*g), s)));
-        }
-#elif defined(RQ_NEON)
+#if defined(RQ_NEON)
         for (int i = 0; i < qk; i += 4) {
             vst1q_f32(a + i, vmlaq_n_f32(vld1q_f32(a + i), vld1q_f32(cb + i), vd));
         }
@@ -351,6 +352,7 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 #endif
     }
 }
+#endif
 
 #define RQ_FA_TILE 8   // query rows of one K/V head processed together
 #define RQ_FA_KB   16  // keys per online-softmax update
@@ -363,51 +365,151 @@ static inline __m256 iso_hsum8(const __m256 a[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-// the T rows' scores against one packed key: each group's codebook values are looked up into a register and
-// multiplied into every row, so the key is never stored unpacked; a block's row sums are reduced together
-RQ_INLINE void iso_score_rows_t(int T, int n, const void * GGML_RESTRICT x, const float * GGML_RESTRICT q,
-                                int64_t q_stride, int bits, int qk, float * GGML_RESTRICT out) {
-    const iso_lut L = iso_lut_init(bits, qk);
-    __m256 s = _mm256_setzero_ps();
-    for (int ib = 0; ib < n / qk; ++ib) {
-        const uint8_t * blk = iso_block(x, ib, bits, qk);
-        const uint8_t * qs  = blk + sizeof(ggml_half);
-        const float   * qb  = q + ib*qk;
-        __m256 a[RQ_FA_TILE];
-        for (int t = 0; t < RQ_FA_TILE; ++t) {
-            a[t] = _mm256_setzero_ps();
-        }
-        for (int g = 0; g < qk/8; ++g) {
-            const __m256 c = iso_lookup8(&L, qs, g);
-            for (int t = 0; t < T; ++t) {
-                a[t] = _mm256_fmadd_ps(c, _mm256_loadu_ps(qb + t*q_stride + 8*g), a[t]);
-            }
-        }
-        s = _mm256_fmadd_ps(_mm256_set1_ps(iso_block_d(blk)), iso_hsum8(a), s);
+// 8 exps: ggml's vector expf where vec.h defines the AVX2 one (an AVX-512 build defines a 16-wide one instead)
+#if defined(__FMA__) && !(defined(__AVX512F__) && defined(__AVX512DQ__))
+#define iso_exp8 ggml_v_expf
+#else
+static inline __m256 iso_exp8(__m256 x) {
+    float v[8];
+    _mm256_storeu_ps(v, x);
+    for (int i = 0; i < 8; ++i) {
+        v[i] = expf(v[i]);
     }
-    _mm256_storeu_ps(out, s);
+    return _mm256_loadu_ps(v);
+}
+#endif
+
+// the query tile for packed keys, interleaved: group g's 8 values of row t at qi[(g*RQ_FA_TILE + t)*8], so every row
+// of a group is a constant offset from one pointer (strided rows cost a register each and spilled at 6 rows)
+static void iso_q_interleave(int T, int n, const float * GGML_RESTRICT q, int64_t q_stride, float * GGML_RESTRICT qi) {
+    for (int g = 0; g < n/8; ++g) {
+        for (int t = 0; t < T; ++t) {
+            memcpy(qi + (g*RQ_FA_TILE + t)*8, q + t*q_stride + 8*g, 8*sizeof(float));
+        }
+    }
 }
 
-// iso_score_rows_t with the tile height, index width and block width as constants
-static void iso_score_rows(int T, int n, const void * GGML_RESTRICT x, const float * GGML_RESTRICT q,
-                           int64_t q_stride, int bits, int qk, float * GGML_RESTRICT out) {
-#define RQ_SCORE_T(B, QK) switch (T) { \
-        case 1: iso_score_rows_t(1, n, x, q, q_stride, B, QK, out); break; \
-        case 2: iso_score_rows_t(2, n, x, q, q_stride, B, QK, out); break; \
-        case 3: iso_score_rows_t(3, n, x, q, q_stride, B, QK, out); break; \
-        case 4: iso_score_rows_t(4, n, x, q, q_stride, B, QK, out); break; \
-        case 5: iso_score_rows_t(5, n, x, q, q_stride, B, QK, out); break; \
-        case 6: iso_score_rows_t(6, n, x, q, q_stride, B, QK, out); break; \
-        case 7: iso_score_rows_t(7, n, x, q, q_stride, B, QK, out); break; \
-        default: iso_score_rows_t(RQ_FA_TILE, n, x, q, q_stride, B, QK, out); break; }
-    static_assert(RQ_FA_TILE == 8, "iso_score_rows dispatches tile heights 1..8");
-    if (qk == QK_ISO) {
-        if (bits == 3) { RQ_SCORE_T(3, QK_ISO) } else { RQ_SCORE_T(4, QK_ISO) }
-    } else {
-        if (bits == 3) { RQ_SCORE_T(3, QK_ISO64) } else { RQ_SCORE_T(4, QK_ISO64) }
+// the T rows' scores against nk packed keys x[j], into out[u[j]][0..7]: each group's codebook values are looked up
+// into a register and multiplied into every row, so a key is never stored unpacked; a block's row sums are reduced
+// together. One call per block of keys keeps the tables and the query tile's pointer in registers.
+RQ_INLINE void iso_score_rows_t(int T, int nk, int n, const uint8_t * const * xs, const int * us, const float * GGML_RESTRICT qi,
+                                const iso_lut * Lp, int bits, int qk, float (*out)[RQ_FA_TILE]) {
+    iso_lut L = *Lp; // the widths as constants, the registers from the caller's table
+    L.bits = bits;
+    L.ng   = qk/8;
+    for (int j = 0; j < nk; ++j) {
+        const uint8_t * x = xs[j];
+        __m256 s = _mm256_setzero_ps();
+        for (int ib = 0; ib < n / qk; ++ib) {
+            const uint8_t * blk = iso_block(x, ib, bits, qk);
+            const uint8_t * qs  = blk + sizeof(ggml_half);
+            const float   * qb  = qi + ib*qk*RQ_FA_TILE;
+            // even and odd groups in two sets of sums: two chains of qk/16 FMAs per row instead of one of qk/8
+            __m256 a[RQ_FA_TILE], b[RQ_FA_TILE];
+            for (int t = 0; t < RQ_FA_TILE; ++t) {
+                a[t] = _mm256_setzero_ps();
+                b[t] = _mm256_setzero_ps();
+            }
+            for (int g = 0; g < qk/8; g += 2) {
+                const __m256 c0 = iso_lookup8(&L, qs, g + 0);
+                for (int t = 0; t < T; ++t) {
+                    a[t] = _mm256_fmadd_ps(c0, _mm256_loadu_ps(qb + ((g + 0)*RQ_FA_TILE + t)*8), a[t]);
+                }
+                const __m256 c1 = iso_lookup8(&L, qs, g + 1);
+                for (int t = 0; t < T; ++t) {
+                    b[t] = _mm256_fmadd_ps(c1, _mm256_loadu_ps(qb + ((g + 1)*RQ_FA_TILE + t)*8), b[t]);
+                }
+            }
+            for (int t = 0; t < T; ++t) {
+                a[t] = _mm256_add_ps(a[t], b[t]);
+            }
+            s = _mm256_fmadd_ps(_mm256_set1_ps(iso_block_d(blk)), iso_hsum8(a), s);
+        }
+        _mm256_storeu_ps(out[us[j]], s);
     }
-#undef RQ_SCORE_T
 }
+
+// vkq[t] += sum_u w[u][t] * ||v_u||_b * c_u over a block's nu packed values, for each of the T rows: each group's
+// codebook values are looked up once into a register and multiplied into every row, whose 8-wide slice stays in a
+// register for the whole block (the products and their order are iso_mad_rows's)
+RQ_INLINE void iso_mad_rows_packed_t(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_t vkq_stride,
+                                     const uint8_t * const * vx, const float (*w)[RQ_FA_TILE],
+                                     const iso_lut * Lp, int bits, int qk) {
+    iso_lut L = *Lp;
+    L.bits = bits;
+    L.ng   = qk/8;
+    for (int ib = 0; ib < n / qk; ++ib) {
+        float           wd[RQ_FA_KB][RQ_FA_TILE];
+        const uint8_t * qs[RQ_FA_KB];
+        for (int u = 0; u < nu; ++u) {
+            const uint8_t * blk = iso_block(vx[u], ib, bits, qk);
+            const float     d   = iso_block_d(blk);
+            qs[u] = blk + sizeof(ggml_half);
+            for (int t = 0; t < T; ++t) {
+                wd[u][t] = w[u][t]*d;
+            }
+        }
+        // two groups at a time: two independent chains per row (each slot's sum still runs over u in order)
+        for (int g = 0; g < qk/8; g += 2) {
+            float * a0 = vkq + ib*qk + 8*g;
+            __m256 a[RQ_FA_TILE], b[RQ_FA_TILE];
+            for (int t = 0; t < T; ++t) {
+                a[t] = _mm256_loadu_ps(a0 + t*vkq_stride + 0);
+                b[t] = _mm256_loadu_ps(a0 + t*vkq_stride + 8);
+            }
+            for (int u = 0; u < nu; ++u) {
+                const __m256 c0 = iso_lookup8(&L, qs[u], g + 0);
+                const __m256 c1 = iso_lookup8(&L, qs[u], g + 1);
+                for (int t = 0; t < T; ++t) {
+                    const __m256 wt = _mm256_broadcast_ss(&wd[u][t]);
+                    a[t] = _mm256_fmadd_ps(wt, c0, a[t]);
+                    b[t] = _mm256_fmadd_ps(wt, c1, b[t]);
+                }
+            }
+            for (int t = 0; t < T; ++t) {
+                _mm256_storeu_ps(a0 + t*vkq_stride + 0, a[t]);
+                _mm256_storeu_ps(a0 + t*vkq_stride + 8, b[t]);
+            }
+        }
+    }
+}
+
+// the dispatch of the two kernels above: tile height, index width and block width as constants
+#define RQ_ISO_T(F, B, QK, ...) switch (T) {                                    \
+        case 1: F(1, __VA_ARGS__, B, QK); break;                                 \
+        case 2: F(2, __VA_ARGS__, B, QK); break;                                 \
+        case 3: F(3, __VA_ARGS__, B, QK); break;                                 \
+        case 4: F(4, __VA_ARGS__, B, QK); break;                                 \
+        case 5: F(5, __VA_ARGS__, B, QK); break;                                 \
+        case 6: F(6, __VA_ARGS__, B, QK); break;                                 \
+        case 7: F(7, __VA_ARGS__, B, QK); break;                                 \
+        default: F(RQ_FA_TILE, __VA_ARGS__, B, QK); break; }
+#define RQ_ISO_DISPATCH(F, ...)                                                  \
+    static_assert(RQ_FA_TILE == 8, "the dispatch covers tile heights 1..8");    \
+    if (qk == QK_ISO) {                                                          \
+        if (bits == 3) { RQ_ISO_T(F, 3, QK_ISO, __VA_ARGS__) }                   \
+        else           { RQ_ISO_T(F, 4, QK_ISO, __VA_ARGS__) }                   \
+    } else {                                                                     \
+        if (bits == 3) { RQ_ISO_T(F, 3, QK_ISO64, __VA_ARGS__) }                 \
+        else           { RQ_ISO_T(F, 4, QK_ISO64, __VA_ARGS__) }                 \
+    }
+
+#define RQ_SCORE_F(T_, nk, n, xs, us, qi, L, out, B, QK) iso_score_rows_t(T_, nk, n, xs, us, qi, L, B, QK, out)
+static void iso_score_rows(int T, int nk, int n, const uint8_t * const * xs, const int * us, const float * GGML_RESTRICT qi,
+                           const iso_lut * L, int bits, int qk, float (*out)[RQ_FA_TILE]) {
+    RQ_ISO_DISPATCH(RQ_SCORE_F, nk, n, xs, us, qi, L, out)
+}
+
+#define RQ_MAD_F(T_, nu, n, vkq, st, vx, w, L, B, QK) iso_mad_rows_packed_t(T_, nu, n, vkq, st, vx, w, L, B, QK)
+static void iso_mad_rows_packed(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_t vkq_stride,
+                                const uint8_t * const * vx, const float (*w)[RQ_FA_TILE],
+                                const iso_lut * L, int bits, int qk) {
+    RQ_ISO_DISPATCH(RQ_MAD_F, nu, n, vkq, vkq_stride, vx, w, L)
+}
+#undef RQ_SCORE_F
+#undef RQ_MAD_F
+#undef RQ_ISO_DISPATCH
+#undef RQ_ISO_T
 #else
 // the T rows' scores against one unpacked key (iso_dot_unpacked per row)
 static void iso_dot_rows(int T, int n, const float * GGML_RESTRICT c, const float * GGML_RESTRICT d,
@@ -418,30 +520,11 @@ static void iso_dot_rows(int T, int n, const float * GGML_RESTRICT c, const floa
 }
 #endif
 
-// vkq[t] += sum_u w[t][u] * ||v_u||_b * c_u over a block's nu unpacked values, for each of the T rows; on AVX2 each
-// 8-wide slice of a row's accumulator is loaded and stored once per block, not once per value
+#if !defined(__AVX2__)
+// vkq[t] += sum_u w[t][u] * ||v_u||_b * c_u over a block's nu unpacked values, for each of the T rows
 static void iso_mad_rows(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_t vkq_stride,
                          const float * GGML_RESTRICT c, const float * GGML_RESTRICT d,
                          const float (*w)[RQ_FA_KB], int qk) {
-#if defined(__AVX2__)
-    for (int t = 0; t < T; ++t) {
-        float * a = vkq + t*vkq_stride;
-        for (int ib = 0; ib < n / qk; ++ib) {
-            __m256 wd[RQ_FA_KB];
-            for (int u = 0; u < nu; ++u) {
-                wd[u] = _mm256_set1_ps(w[t][u]*d[u*(n/qk) + ib]);
-            }
-            for (int g = 0; g < qk/8; ++g) {
-                const int64_t off = ib*qk + 8*g;
-                __m256 s = _mm256_loadu_ps(a + off);
-                for (int u = 0; u < nu; ++u) {
-                    s = _mm256_fmadd_ps(wd[u], _mm256_loadu_ps(c + u*n + off), s);
-                }
-                _mm256_storeu_ps(a + off, s);
-            }
-        }
-    }
-#else
     for (int t = 0; t < T; ++t) {
         for (int u = 0; u < nu; ++u) {
             if (w[t][u] != 0.0f) {
@@ -449,8 +532,8 @@ static void iso_mad_rows(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_
             }
         }
     }
-#endif
 }
+#endif
 
 void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     const struct ggml_tensor * q     = dst->src[0];
@@ -517,16 +600,30 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
     // the current key, and the block's values, unpacked once for the tile; the block's scores, then weights
-#if !defined(__AVX2__)
+#if defined(__AVX2__)
+    // packed keys and values are read in place: the codebooks once, the query tile interleaved, the block's V rows
+    const iso_lut    Lk = iso_lut_init(k_iso ? k_bits : 3, k_iso ? k_qk : QK_ISO);
+    const iso_lut    Lv = iso_lut_init(v_bits, v_qk);
+    float            QI[k_iso ? DK*RQ_FA_TILE : 1] __attribute__((aligned(32)));
+    const uint8_t  * vp[RQ_FA_KB];
+    const uint8_t  * kp[RQ_FA_KB]; // the block's packed keys, scored together after the block is gathered
+    int              ku[RQ_FA_KB];
+#else
     float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
-#endif
     float vc[RQ_FA_KB][DV], vd[RQ_FA_KB][DV/v_qk];
+#endif
+#if !defined(__AVX2__)
     float sc[RQ_FA_TILE][RQ_FA_KB];
+#endif
     // exact keys: the raw query rows, the values accumulated unrotated, the block's exact values and both kinds' weights
     const float * QR[RQ_FA_TILE];
     float VKX[RQ_FA_TILE][xrows ? DV : 1];
     float kx[xrows ? DK : 1], vx[xrows ? RQ_FA_KB : 1][xrows ? DV : 1];
+#if defined(__AVX2__)
+    float wc[RQ_FA_KB][RQ_FA_TILE];
+#else
     float wc[RQ_FA_TILE][RQ_FA_KB], wx[RQ_FA_TILE][RQ_FA_KB];
+#endif
     bool  is_x[RQ_FA_KB];
 
     // Rows are taken heads-fastest (r = (iq3*neq1 + iq1)*neq2 + iq2), and a tile is the query heads of one token
@@ -538,6 +635,10 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
         int64_t ik2 = 0, ik3 = 0, iv2 = 0, iv3 = 0;
         int32_t qp = 0; // the tile's query position (one token)
         const ggml_fp16_t * mp = NULL;
+        for (int t = 0; t < RQ_FA_TILE; ++t) {
+            slope[t] = 0.0f; // the lanes of absent rows (the AVX2 softmax reads all eight)
+            M[t]     = 0.0f;
+        }
         for (; T < RQ_FA_TILE && ir + T < ir1; ++T) {
             const int64_t r   = ir + T;
             const int64_t iq3 = r/(neq1*neq2);
@@ -564,11 +665,20 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             }
             q_to_vec_dot((const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3)), Q32[T], DK);
         }
+#if defined(__AVX2__)
+        if (k_iso) {
+            iso_q_interleave(T, DK, Q32[0], Q32[1] - Q32[0], QI);
+        }
+#endif
 
         // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
         // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values, unpacked once
         for (int64_t ic = 0; ic < nek1; ) {
             int nu = 0, nc = 0, nx = 0; // keys in the block: all, packed, exact
+#if defined(__AVX2__)
+            int nk = 0;                 // packed keys whose scores wait for iso_score_rows
+#endif
+            float raw[RQ_FA_KB][RQ_FA_TILE], mkv[RQ_FA_KB]; // rows' raw scores, mask values
             for (; ic < nek1 && nu < RQ_FA_KB; ++ic) {
                 const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
                 if (mk == -INFINITY) {
@@ -577,7 +687,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
                 const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
                 const int32_t xr = xrows && (!xuntil || qp <= xuntil[ik3*nek1 + ic]) ? xrows[ik3*nek1 + ic] : -1;
-                float s[RQ_FA_TILE];
+                float * s = raw[nu];
+                memset(s, 0, sizeof(raw[nu])); // the lanes of absent rows stay finite
                 is_x[nu] = xr >= 0;
                 if (xr >= 0) {
                     ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) k_x->data + xr*k_x->nb[1]) + ik2*DK, kx, DK);
@@ -587,7 +698,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                     ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) v_x->data + xr*v_x->nb[1]) + iv2*DV, vx[nx++], DV);
                 } else if (k_iso) {
 #if defined(__AVX2__)
-                    iso_score_rows(T, DK, k_data, Q32[0], Q32[1] - Q32[0], k_bits, k_qk, s);
+                    kp[nk] = (const uint8_t *) k_data;
+                    ku[nk++] = nu;
 #else
                     iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
                     iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
@@ -598,20 +710,93 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                     }
                 }
                 if (xr < 0) {
+#if defined(__AVX2__)
+                    vp[nc++] = (const uint8_t *) v_data;
+#else
                     iso_unpack(DV, v_data, vc[nc], vd[nc], v_bits, v_qk);
                     nc++;
+#endif
                 }
-                for (int t = 0; t < T; ++t) {
-                    float x = s[t]*scale;
-                    if (logit_softcap != 0.0f) {
-                        x = logit_softcap*tanhf(x);
-                    }
-                    sc[t][nu] = x + slope[t]*mk;
-                }
-                nu++;
+                mkv[nu++] = mk;
             }
             if (nu == 0) {
                 break;
+            }
+#if defined(__AVX2__)
+            if (nk > 0) {
+                iso_score_rows(T, nk, DK, kp, ku, QI, &Lk, k_bits, k_qk, raw);
+            }
+            // the block's online-softmax update with the tile's rows in the lanes: a key's scaled, biased scores, the
+            // block max, exps and sums of all rows at once; each lane's arithmetic is its row's alone, so a row's
+            // result does not depend on the tile it is in. The weights overwrite the scores in place, [key][row].
+            {
+                if (logit_softcap != 0.0f) {
+                    for (int u = 0; u < nu; ++u) {
+                        for (int t = 0; t < T; ++t) {
+                            raw[u][t] = logit_softcap*tanhf(raw[u][t]*scale);
+                        }
+                    }
+                }
+                const __m256 vsc = _mm256_set1_ps(logit_softcap != 0.0f ? 1.0f : scale);
+                const __m256 vsl = _mm256_loadu_ps(slope);
+                __m256 bm = _mm256_set1_ps(-INFINITY);
+                for (int u = 0; u < nu; ++u) {
+                    const __m256 x = _mm256_fmadd_ps(vsl, _mm256_set1_ps(mkv[u]), _mm256_mul_ps(_mm256_loadu_ps(raw[u]), vsc));
+                    _mm256_storeu_ps(raw[u], x);
+                    bm = _mm256_max_ps(bm, x);
+                }
+                float bmx[RQ_FA_TILE];
+                _mm256_storeu_ps(bmx, bm);
+                for (int t = 0; t < T; ++t) {
+                    if (bmx[t] > M[t]) {
+                        const float ms = expf(M[t] - bmx[t]); // 0 on the row's first block
+                        ggml_vec_scale_f32(DV, VKQ[t], ms);
+                        if (xrows) {
+                            ggml_vec_scale_f32(DV, VKX[t], ms);
+                        }
+                        S[t] *= ms;
+                        M[t] = bmx[t];
+                    }
+                }
+                const __m256 vm = _mm256_loadu_ps(M);
+                __m256 vs = _mm256_setzero_ps();
+                for (int u = 0; u < nu; ++u) {
+                    const __m256 e = iso_exp8(_mm256_sub_ps(_mm256_loadu_ps(raw[u]), vm));
+                    vs = _mm256_add_ps(vs, e);
+                    _mm256_storeu_ps(raw[u], e);
+                }
+                float sum[RQ_FA_TILE];
+                _mm256_storeu_ps(sum, vs);
+                for (int t = 0; t < T; ++t) {
+                    S[t] += sum[t];
+                }
+            }
+            if (nx == 0) {
+                iso_mad_rows_packed(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) raw, &Lv, v_bits, v_qk);
+                continue;
+            }
+            for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
+                if (is_x[u]) {
+                    for (int t = 0; t < T; ++t) {
+                        ggml_vec_mad_f32(DV, VKX[t], vx[jx], raw[u][t]);
+                    }
+                    jx++;
+                } else {
+                    memcpy(wc[jc++], raw[u], sizeof(wc[0]));
+                }
+            }
+            if (nc > 0) {
+                iso_mad_rows_packed(T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) wc, &Lv, v_bits, v_qk);
+            }
+#else
+            for (int u = 0; u < nu; ++u) {
+                for (int t = 0; t < T; ++t) {
+                    float x = raw[u][t]*scale;
+                    if (logit_softcap != 0.0f) {
+                        x = logit_softcap*tanhf(x);
+                    }
+                    sc[t][u] = x + slope[t]*mkv[u];
+                }
             }
             for (int t = 0; t < T; ++t) {
                 float bmax = -INFINITY;
@@ -648,6 +833,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             if (nc > 0) {
                 iso_mad_rows(T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) wc, v_qk);
             }
+#endif
         }
 
         for (int t = 0; t < T; ++t) {
