@@ -24,6 +24,20 @@ half of its bound), no cache format reaches that bound, so a second limit isolat
 
 the weights as fast as this machine really runs them, the K/V streamed at the triad's rate, attention
 arithmetic free. measured / cache limit is how close the attention path comes to a free read of its cache.
+
+Attention is not free of arithmetic: at depth d each query head multiplies-and-adds every K and V value its KV
+head holds (2 FLOPs each for the scores, 2 for the weighted sum of V), whatever format stores them. On few cores
+that work, not the read, is what a long-context step waits on, so the roofline takes the slower of the two:
+
+    roofline t/s = 1 / (measured f16 step at depth 0 + max(K/V bytes / bandwidth, attention FLOPs / F32 rate))
+
+- F32 rate: FLOP/s of a cache-resident F32 matrix product (ggml_mul_mat, 512 x 512 x 512) with the same threads,
+  best of several: the multiply-add rate ggml reaches here, measured like the triad, not a datasheet peak.
+- attention FLOPs: 2 x (query heads / KV heads) x the K and V values the step attends (the f16 cache's bytes / 2,
+  so sliding-window layers count their window), the same for every cache type: a compressed cache changes what
+  is read, not how many products a float kernel takes.
+
+measured / roofline is how close a path comes to this machine's limit for the step it runs.
 """
 
 from __future__ import annotations
@@ -92,6 +106,67 @@ def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
     return 3 * n * 4 / best
 
 
+def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
+    """FLOP/s of an n x n x n F32 ggml_mul_mat with ggml-cpu and ``threads`` threads (best of reps; 2 n^3 FLOPs)."""
+    from rotaryquant.bindings import ggml as _g
+
+    base = _g._ggml()
+    cpu = ctypes.CDLL(str(_g.lib_dir() / "libggml-cpu.so"))
+    base.ggml_init.restype = ctypes.c_void_p
+    base.ggml_init.argtypes = [_InitParams]
+    base.ggml_new_tensor_2d.restype = ctypes.c_void_p
+    base.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    base.ggml_mul_mat.restype = ctypes.c_void_p
+    base.ggml_mul_mat.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    base.ggml_new_graph.restype = ctypes.c_void_p
+    base.ggml_new_graph.argtypes = [ctypes.c_void_p]
+    base.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    base.ggml_get_data.restype = ctypes.c_void_p
+    base.ggml_get_data.argtypes = [ctypes.c_void_p]
+    base.ggml_free.argtypes = [ctypes.c_void_p]
+    base.ggml_graph_node.restype = ctypes.c_void_p
+    base.ggml_graph_node.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
+    cpu.ggml_graph_compute_with_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+
+    ctx = base.ggml_init(_InitParams(3 * n * n * 4 + 64 * MIB, None, False))
+    if not ctx:
+        raise MemoryError("ggml_init failed")
+    try:
+        a = base.ggml_new_tensor_2d(ctx, 0, n, n)  # GGML_TYPE_F32
+        b = base.ggml_new_tensor_2d(ctx, 0, n, n)
+        for t, v in ((a, 0.5), (b, 2.0)):
+            arr = (ctypes.c_float * (n * n)).from_address(base.ggml_get_data(t))
+            ctypes.memmove(arr, (ctypes.c_float * (n * n))(*([v] * (n * n))), n * n * 4)
+        gf = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(gf, base.ggml_mul_mat(ctx, a, b))
+        best = float("inf")
+        for i in range(reps + 1):  # the first run warms the caches and the threads
+            t0 = time.perf_counter()
+            if cpu.ggml_graph_compute_with_ctx(ctx, gf, threads) != 0:
+                raise RuntimeError("ggml_graph_compute failed")
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        out = (ctypes.c_float * (n * n)).from_address(base.ggml_get_data(base.ggml_graph_node(gf, -1)))
+        if out[0] != n or out[n * n - 1] != n:  # sum of n products 0.5 * 2: the product ran
+            raise RuntimeError(f"matrix product wrong: {out[0]}, {out[n * n - 1]} (expected {n})")
+    finally:
+        base.ggml_free(ctx)
+    return 2 * n**3 / best
+
+
+def attention_flops(gguf: Path, kv_f16_bytes: int) -> float:
+    """FLOPs of a decode step's attention: 2 per K value and 2 per V value attended, once per query head sharing
+    them (kv_f16_bytes: the step's K/V in an f16 cache, 2 bytes a value)."""
+    from rotaryquant import gguf_io
+
+    h = gguf_io.read_header(gguf)
+    n_head, n_head_kv = h.get("attention.head_count"), h.get("attention.head_count_kv")
+    if isinstance(n_head, list) or isinstance(n_head_kv, list) or not n_head:
+        raise ValueError(f"{gguf.name}: per-layer or missing head counts ({n_head}, {n_head_kv})")
+    return 2.0 * (kv_f16_bytes / 2) * (n_head / (n_head_kv or n_head))
+
+
 def weight_bytes(gguf: Path) -> int:
     """Bytes of weights one decode step reads: every tensor, but one row of the token embeddings when a separate
     output matrix exists (with a tied output the whole table is read as the output)."""
@@ -146,6 +221,12 @@ def cache_limit_tps(tps_depth0: float, kv_bytes: int, bandwidth: float) -> float
     return 1.0 / (1.0 / tps_depth0 + kv_bytes / bandwidth)
 
 
+def roofline_tps(tps_depth0: float, kv_bytes: int, bandwidth: float, flops: float, rate: float) -> float:
+    """Decode t/s if a step cost the measured depth-0 step plus its attention at the slower of reading the K/V at
+    ``bandwidth`` and doing its ``flops`` at ``rate``."""
+    return 1.0 / (1.0 / tps_depth0 + max(kv_bytes / bandwidth, flops / rate))
+
+
 def as_rows(bs: list[Bound]) -> list[dict]:
     return [{**asdict(b), "step_bytes": b.step_bytes} for b in bs]
 
@@ -159,20 +240,25 @@ def run(model: Path, *, configs: list[tuple[str, str, bool]], depths: list[int],
     from rotaryquant.eval import kvbench
 
     t0 = time.time()
-    progress(f"[rq-eval roofline] triad bandwidth, {threads} threads")
+    progress(f"[rq-eval roofline] triad bandwidth and F32 matrix-product rate, {threads} threads")
     bw0 = triad_bandwidth(threads)
+    fr0 = f32_rate(threads)
     depths = sorted(set(depths) | {0})
     res = kvbench.bench(model, configs=configs, depths=depths, n_prompt=0, n_gen=n_gen, reps=reps, threads=threads,
                         progress=progress)
     bw1 = triad_bandwidth(threads)
+    fr1 = f32_rate(threads)
     bw = (bw0 + bw1) / 2
+    rate = (fr0 + fr1) / 2
     specs = sorted({c[1] for c in configs})
     bound = {(b.cache, b.depth): b for b in bounds(model, specs, depths, bw, n_gen)}
+    kv16 = kv_bytes(model, ["f16"], depths, n_gen)
     rows = []
     for r in res["rows"]:
         b = bound[(r["cache_type"], r["depth"])]
         row = {"label": r["label"], "cache": r["cache_type"], "unfused": r["unfused"], "depth": r["depth"],
-               **as_rows([b])[0], "tg_tps": r["tg_tps"], "tg_std": r["tg_std"],
+               **as_rows([b])[0], "attn_flops": attention_flops(model, kv16[("f16", r["depth"])]),
+               "tg_tps": r["tg_tps"], "tg_std": r["tg_std"],
                "measured_over_predicted": None if not r["tg_tps"] else r["tg_tps"] / b.predicted_tps}
         rows.append(row)
     f16_0 = next((x for x in rows if x["label"] == "f16" and x["depth"] == 0 and x["tg_tps"]), None)
@@ -184,8 +270,11 @@ def run(model: Path, *, configs: list[tuple[str, str, bool]], depths: list[int],
         if f16_0:
             r["cache_limit_tps"] = cache_limit_tps(f16_0["tg_tps"], r["kv_bytes"], bw)
             r["measured_over_cache_limit"] = r["tg_tps"] / r["cache_limit_tps"] if r["tg_tps"] else None
+            r["roofline_tps"] = roofline_tps(f16_0["tg_tps"], r["kv_bytes"], bw, r["attn_flops"], rate)
+            r["measured_over_roofline"] = r["tg_tps"] / r["roofline_tps"] if r["tg_tps"] else None
     return {"model": model.name, "machine": machine.describe(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "bandwidth": {"before": bw0, "after": bw1, "used": bw, "triad_mib": TRIAD_MIB, "threads": threads},
+            "f32_rate": {"before": fr0, "after": fr1, "used": rate, "n": 512, "threads": threads},
             "settings": {"n_gen": n_gen, "reps": reps, "threads": threads, "depths": depths},
             "seconds": round(time.time() - t0, 1), "rows": rows}
 
@@ -199,15 +288,25 @@ def to_markdown(res: dict) -> str:
              f"predictions use the mean. Predicted t/s = bandwidth / (weights + K/V a step attends); cache limit t/s "
              f"= 1 / (f16's measured step at depth 0 + K/V / bandwidth): weights as fast as they run here, the cache "
              f"read for free of arithmetic. Measured: llama-bench tg{res['settings']['n_gen']} at each depth, "
-             f"{res['settings']['reps']} interleaved rounds. {res['machine']}.", "",
-             "| depth | cache | weights MiB | K/V MiB | predicted t/s | cache limit t/s | measured t/s "
-             "| measured / predicted | measured / cache limit | measured vs f16 | predicted vs f16 |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{res['settings']['reps']} interleaved rounds. {res['machine']}.", ""]
+    fr = res.get("f32_rate")
+    if fr:
+        lines += [f"F32 rate: a {fr['n']} x {fr['n']} x {fr['n']} ggml_mul_mat with {fr['threads']} threads, best of 7: "
+                  f"{fr['before'] / 1e9:.1f} GFLOP/s before, {fr['after'] / 1e9:.1f} after (mean used). Roofline t/s "
+                  f"= 1 / (f16's measured step at depth 0 + max(K/V / bandwidth, attention FLOPs / F32 rate)): the "
+                  f"attention's read or its arithmetic, whichever is slower, the same FLOPs for every cache type.",
+                  ""]
+    lines += ["| depth | cache | weights MiB | K/V MiB | attn GFLOP | predicted t/s | cache limit t/s | roofline t/s "
+              "| measured t/s | measured / predicted | measured / cache limit | measured / roofline "
+              "| measured vs f16 | predicted vs f16 |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(res["rows"], key=lambda r: (r["depth"], r["label"] != "f16", r["label"])):
+        gf = r.get("attn_flops")
         lines.append(f"| {r['depth']} | {r['label']} | {r['weight_bytes'] / MIB:.0f} | {r['kv_bytes'] / MIB:.1f} "
-                     f"| {r['predicted_tps']:.1f} | {f(r.get('cache_limit_tps'), 1)} | {f(r['tg_tps'], 1)} "
+                     f"| {f(gf and gf / 1e9)} | {r['predicted_tps']:.1f} | {f(r.get('cache_limit_tps'), 1)} "
+                     f"| {f(r.get('roofline_tps'), 1)} | {f(r['tg_tps'], 1)} "
                      f"| {f(r['measured_over_predicted'])} | {f(r.get('measured_over_cache_limit'))} "
-                     f"| {f(r.get('tg_vs_f16'))} | {f(r.get('predicted_vs_f16'))} |")
+                     f"| {f(r.get('measured_over_roofline'))} | {f(r.get('tg_vs_f16'))} | {f(r.get('predicted_vs_f16'))} |")
     return "\n".join(lines) + "\n"
 
 
@@ -226,12 +325,14 @@ def plot(res: dict, out: Path) -> Path:
         ax.plot([r["depth"] for r in rs], [r["predicted_tps"] for r in rs], "--", color=c, alpha=0.6)
         lim = [(r["depth"], r["cache_limit_tps"]) for r in rs if r.get("cache_limit_tps")]
         ax.plot([p[0] for p in lim], [p[1] for p in lim], ":", color=c, alpha=0.8)
+        roof = [(r["depth"], r["roofline_tps"]) for r in rs if r.get("roofline_tps")]
+        ax.plot([p[0] for p in roof], [p[1] for p in roof], "-.", color=c, alpha=0.8)
         pts = [(r["depth"], r["tg_tps"]) for r in rs if r["tg_tps"]]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=label)
     ax.set_xlabel("depth (tokens in the cache)")
     ax.set_ylabel("decode t/s")
-    ax.set_title(f"{res['model']}\nmeasured (solid), bandwidth limit (dashed), cache limit (dotted), "
-                 f"{res['bandwidth']['used'] / 1e9:.1f} GB/s", fontsize=9)
+    ax.set_title(f"{res['model']}\nmeasured (solid); limits: bandwidth (dashed), cache (dotted), roofline with "
+                 f"attention arithmetic (dash-dot); {res['bandwidth']['used'] / 1e9:.1f} GB/s", fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

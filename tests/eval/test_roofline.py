@@ -48,6 +48,25 @@ def test_triad_bandwidth_is_measured_on_a_graph_that_ran():
     assert 1e8 < bw < 1e13
 
 
+def test_f32_rate_is_measured_on_a_product_that_ran():
+    rate = roofline.f32_rate(1, n=64, reps=2)  # raises when the product is wrong
+    assert 1e7 < rate < 1e13
+
+
+def test_attention_flops_count_every_query_head(gemma3):
+    # Gemma3-270M: 4 query heads share 1 KV head, so each attended K or V value takes 4 x 2 FLOPs
+    kv16 = roofline.kv_bytes(gemma3, ["f16"], [2048])[("f16", 2048)]
+    assert roofline.attention_flops(gemma3, kv16) == 2 * (kv16 / 2) * 4
+
+
+def test_roofline_takes_the_slower_of_read_and_arithmetic():
+    # 100 ms step at depth 0; 1 GB at 10 GB/s is 100 ms, 1 TFLOP at 1e13 FLOP/s 100 ms: either way 5 t/s
+    assert roofline.roofline_tps(10.0, 10**9, 1e10, 1e12, 1e13) == pytest.approx(5.0)
+    # arithmetic 4x slower than the read: 100 + 400 ms
+    assert roofline.roofline_tps(10.0, 10**9, 1e10, 4e12, 1e13) == pytest.approx(2.0)
+    assert roofline.roofline_tps(10.0, 10**9, 1e10, 0.0, 1e13) == pytest.approx(roofline.cache_limit_tps(10.0, 10**9, 1e10))
+
+
 def test_prediction_is_bandwidth_over_step_bytes(gemma3):
     b = roofline.bounds(gemma3, ["f16"], [0], bandwidth=1e10)[0]
     assert b.predicted_tps == pytest.approx(1e10 / (roofline.weight_bytes(gemma3) + b.kv_bytes))
@@ -63,9 +82,12 @@ def test_report_and_plot(tmp_path):
     row = dict(label="f16", cache="f16", unfused=False, depth=0, weight_bytes=2 << 20, kv_bytes=1 << 20,
                bandwidth=3e9, predicted_tps=1000.0, step_bytes=3 << 20, tg_tps=800.0, tg_std=1.0,
                measured_over_predicted=0.8, tg_vs_f16=1.0, predicted_vs_f16=1.0, cache_limit_tps=900.0,
-               measured_over_cache_limit=800 / 900)
+               measured_over_cache_limit=800 / 900, attn_flops=3e9, roofline_tps=850.0,
+               measured_over_roofline=800 / 850)
     res = {"model": "m.gguf", "machine": "test", "bandwidth": {"before": 3e9, "after": 3e9, "used": 3e9,
-           "triad_mib": 128, "threads": 2}, "settings": {"n_gen": 32, "reps": 2}, "rows": [row]}
+           "triad_mib": 128, "threads": 2}, "f32_rate": {"before": 5e10, "after": 5e10, "used": 5e10, "n": 512,
+           "threads": 2}, "settings": {"n_gen": 32, "reps": 2}, "rows": [row]}
     md = roofline.to_markdown(res)
-    assert "| 0 | f16 | 2 | 1.0 | 1000.0 | 900.0 | 800.0 | 0.80 | 0.89 | 1.00 | 1.00 |" in md
+    assert "| 0 | f16 | 2 | 1.0 | 3.00 | 1000.0 | 900.0 | 850.0 | 800.0 | 0.80 | 0.89 | 0.94 | 1.00 | 1.00 |" in md
+    assert "F32 rate: a 512 x 512 x 512 ggml_mul_mat with 2 threads" in md
     assert roofline.plot(res, tmp_path / "r.png").stat().st_size > 1000
