@@ -55,29 +55,28 @@ class _InitParams(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
 
-def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
-    """Bytes/s of a = b + c over ``mib`` MiB per array with ggml-cpu and ``threads`` threads (best of reps)."""
+def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """ggml-base and ggml-cpu with the prototypes of the calls below (a graph of one op, computed in a context)."""
     from rotaryquant.bindings import ggml as _g
 
     base = _g._ggml()
     cpu = ctypes.CDLL(str(_g.lib_dir() / "libggml-cpu.so"))
-    base.ggml_init.restype = ctypes.c_void_p
-    base.ggml_init.argtypes = [_InitParams]
-    base.ggml_new_tensor_2d.restype = ctypes.c_void_p
-    base.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    base.ggml_add.restype = ctypes.c_void_p
-    base.ggml_add.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    base.ggml_new_graph.restype = ctypes.c_void_p
-    base.ggml_new_graph.argtypes = [ctypes.c_void_p]
-    base.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    base.ggml_get_data.restype = ctypes.c_void_p
-    base.ggml_get_data.argtypes = [ctypes.c_void_p]
-    base.ggml_free.argtypes = [ctypes.c_void_p]
-    base.ggml_graph_node.restype = ctypes.c_void_p
-    base.ggml_graph_node.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name, res, args in (("ggml_init", vp, [_InitParams]), ("ggml_new_tensor_2d", vp, [vp, ctypes.c_int, i64, i64]),
+                            ("ggml_add", vp, [vp, vp, vp]), ("ggml_mul_mat", vp, [vp, vp, vp]),
+                            ("ggml_new_graph", vp, [vp]), ("ggml_build_forward_expand", None, [vp, vp]),
+                            ("ggml_get_data", vp, [vp]), ("ggml_free", None, [vp]),
+                            ("ggml_graph_node", vp, [vp, ctypes.c_int])):
+        getattr(base, name).restype = res
+        getattr(base, name).argtypes = args
     cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
-    cpu.ggml_graph_compute_with_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    cpu.ggml_graph_compute_with_ctx.argtypes = [vp, vp, ctypes.c_int]
+    return base, cpu
 
+
+def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
+    """Bytes/s of a = b + c over ``mib`` MiB per array with ggml-cpu and ``threads`` threads (best of reps)."""
+    base, cpu = _libs()
     n = mib * MIB // 4
     ne0 = 4096  # rows of 16 KiB: ggml-cpu splits a binary op's rows across its threads
     ctx = base.ggml_init(_InitParams(3 * n * 4 + 64 * MIB, None, False))
@@ -108,27 +107,7 @@ def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
 
 def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
     """FLOP/s of an n x n x n F32 ggml_mul_mat with ggml-cpu and ``threads`` threads (best of reps; 2 n^3 FLOPs)."""
-    from rotaryquant.bindings import ggml as _g
-
-    base = _g._ggml()
-    cpu = ctypes.CDLL(str(_g.lib_dir() / "libggml-cpu.so"))
-    base.ggml_init.restype = ctypes.c_void_p
-    base.ggml_init.argtypes = [_InitParams]
-    base.ggml_new_tensor_2d.restype = ctypes.c_void_p
-    base.ggml_new_tensor_2d.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    base.ggml_mul_mat.restype = ctypes.c_void_p
-    base.ggml_mul_mat.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-    base.ggml_new_graph.restype = ctypes.c_void_p
-    base.ggml_new_graph.argtypes = [ctypes.c_void_p]
-    base.ggml_build_forward_expand.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    base.ggml_get_data.restype = ctypes.c_void_p
-    base.ggml_get_data.argtypes = [ctypes.c_void_p]
-    base.ggml_free.argtypes = [ctypes.c_void_p]
-    base.ggml_graph_node.restype = ctypes.c_void_p
-    base.ggml_graph_node.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    cpu.ggml_graph_compute_with_ctx.restype = ctypes.c_int
-    cpu.ggml_graph_compute_with_ctx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-
+    base, cpu = _libs()
     ctx = base.ggml_init(_InitParams(3 * n * n * 4 + 64 * MIB, None, False))
     if not ctx:
         raise MemoryError("ggml_init failed")
