@@ -310,8 +310,10 @@ def plot(res: dict, out: Path) -> Path:
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=c, label=label)
     ax.set_xlabel("depth (tokens in the cache)")
     ax.set_ylabel("decode t/s")
-    ax.set_title(f"{res['model']}\nmeasured (solid); limits: bandwidth (dashed), cache (dotted), roofline with "
-                 f"attention arithmetic (dash-dot); {res['bandwidth']['used'] / 1e9:.1f} GB/s", fontsize=9)
+    fr = res.get("f32_rate")
+    rate = f", {fr['used'] / 1e9:.0f} GFLOP/s" if fr else ""
+    ax.set_title(f"{res['model']}: measured (solid)\nlimits: bandwidth (dashed), cache (dotted), with attention "
+                 f"arithmetic (dash-dot)\n{res['bandwidth']['used'] / 1e9:.1f} GB/s{rate}", fontsize=8)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
