@@ -107,6 +107,8 @@ def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
 
 def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
     """FLOP/s of an n x n x n F32 ggml_mul_mat with ggml-cpu and ``threads`` threads (best of reps; 2 n^3 FLOPs)."""
+    import numpy as np
+
     base, cpu = _libs()
     ctx = base.ggml_init(_InitParams(3 * n * n * 4 + 64 * MIB, None, False))
     if not ctx:
@@ -115,8 +117,7 @@ def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
         a = base.ggml_new_tensor_2d(ctx, 0, n, n)  # GGML_TYPE_F32
         b = base.ggml_new_tensor_2d(ctx, 0, n, n)
         for t, v in ((a, 0.5), (b, 2.0)):
-            arr = (ctypes.c_float * (n * n)).from_address(base.ggml_get_data(t))
-            ctypes.memmove(arr, (ctypes.c_float * (n * n))(*([v] * (n * n))), n * n * 4)
+            np.ctypeslib.as_array((ctypes.c_float * (n * n)).from_address(base.ggml_get_data(t)))[:] = v
         gf = base.ggml_new_graph(ctx)
         base.ggml_build_forward_expand(gf, base.ggml_mul_mat(ctx, a, b))
         best = float("inf")
@@ -232,11 +233,12 @@ def run(model: Path, *, configs: list[tuple[str, str, bool]], depths: list[int],
     specs = sorted({c[1] for c in configs})
     bound = {(b.cache, b.depth): b for b in bounds(model, specs, depths, bw, n_gen)}
     kv16 = kv_bytes(model, ["f16"], depths, n_gen)
+    flops = {d: attention_flops(model, kv16[("f16", d)]) for d in depths}
     rows = []
     for r in res["rows"]:
         b = bound[(r["cache_type"], r["depth"])]
         row = {"label": r["label"], "cache": r["cache_type"], "unfused": r["unfused"], "depth": r["depth"],
-               **as_rows([b])[0], "attn_flops": attention_flops(model, kv16[("f16", r["depth"])]),
+               **as_rows([b])[0], "attn_flops": flops[r["depth"]],
                "tg_tps": r["tg_tps"], "tg_std": r["tg_std"],
                "measured_over_predicted": None if not r["tg_tps"] else r["tg_tps"] / b.predicted_tps}
         rows.append(row)

@@ -124,8 +124,8 @@ def wspeed(kind: str, against: str, mine: str = "ITQ3_S", result: str = "weight-
                 return r
         raise KeyError(f"{result}.json: no {t} file")
 
-    itq, other = find(mine), find(against)
-    return itq[kind]["ratio"]["median"] if other is rows[0] else itq[kind]["median"] / other[kind]["median"]
+    row, other = find(mine), find(against)
+    return row[kind]["ratio"]["median"] if other is rows[0] else row[kind]["median"] / other[kind]["median"]
 
 
 def holds(cond: bool, verdict: str) -> str:

@@ -250,10 +250,11 @@ void ggml_rq_iso_unrotate(int n, float * acc) {
     ggml_rq_iso_unrotate_qk(n, acc, QK_ISO);
 }
 
+#if !defined(__AVX2__)
 // codebook values (unscaled) and block norms of one packed row: what the kernels above compute per
 // call, computed once per key for all query rows that share it
 RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits, int qk) {
-#if defined(__AVX2__) || defined(RQ_NEON)
+#if defined(RQ_NEON)
     const iso_lut L = iso_lut_init(bits, qk);
 #else
     const float  * cb   = ggml_rq_iso_codebook_qk(bits, qk);
@@ -265,9 +266,7 @@ RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML
         float         * cb_out = c + ib*qk;
         d[ib] = iso_block_d(blk);
         for (int g = 0; g < qk/8; ++g) {
-#if defined(__AVX2__)
-            _mm256_storeu_ps(cb_out + 8*g, iso_lookup8(&L, qs, g));
-#elif defined(RQ_NEON)
+#if defined(RQ_NEON)
             const float32x4x2_t v = iso_lookup8(&L, qs, g);
             vst1q_f32(cb_out + 8*g + 0, v.val[0]);
             vst1q_f32(cb_out + 8*g + 4, v.val[1]);
@@ -281,7 +280,6 @@ RQ_INLINE void iso_unpack_bits(int n, const void * GGML_RESTRICT x, float * GGML
     }
 }
 
-#if !defined(__AVX2__)
 static void iso_unpack(int n, const void * GGML_RESTRICT x, float * GGML_RESTRICT c, float * GGML_RESTRICT d, int bits, int qk) {
     if (qk == QK_ISO) {
         if (bits == 3) {
@@ -599,7 +597,6 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     float         Q32[RQ_FA_TILE][qrow/sizeof(float) + 1];
     float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
-    // the current key, and the block's values, unpacked once for the tile; the block's scores, then weights
 #if defined(__AVX2__)
     // packed keys and values are read in place: the codebooks once, the query tile interleaved, the block's V rows
     const iso_lut    Lk = iso_lut_init(k_iso ? k_bits : 3, k_iso ? k_qk : QK_ISO);
@@ -609,6 +606,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     const uint8_t  * kp[RQ_FA_KB]; // the block's packed keys, scored together after the block is gathered
     int              ku[RQ_FA_KB];
 #else
+    // the current key, and the block's values, unpacked once for the tile
     float kc[k_iso ? DK : 1], kd[k_iso ? DK/k_qk : 1];
     float vc[RQ_FA_KB][DV], vd[RQ_FA_KB][DV/v_qk];
 #endif
@@ -672,7 +670,7 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
 #endif
 
         // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
-        // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values, unpacked once
+        // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values
         for (int64_t ic = 0; ic < nek1; ) {
             int nu = 0, nc = 0, nx = 0; // keys in the block: all, packed, exact
 #if defined(__AVX2__)
@@ -687,9 +685,11 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
                 const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
                 const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
                 const int32_t xr = xrows && (!xuntil || qp <= xuntil[ik3*nek1 + ic]) ? xrows[ik3*nek1 + ic] : -1;
-                float * s = raw[nu];
-                memset(s, 0, sizeof(raw[nu])); // the lanes of absent rows stay finite
+                float * s = raw[nu]; // rows t < T; packed keys' scores are written later, all lanes
                 is_x[nu] = xr >= 0;
+                if (xr >= 0 || !k_iso) {
+                    memset(s, 0, sizeof(raw[nu])); // the lanes of absent rows stay finite
+                }
                 if (xr >= 0) {
                     ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) k_x->data + xr*k_x->nb[1]) + ik2*DK, kx, DK);
                     for (int t = 0; t < T; ++t) {
