@@ -93,7 +93,8 @@ def cmd_decode(ns: argparse.Namespace) -> None:
             raise RQError(f"--deferred takes off, on or off,on; got {d!r}")
         deferred.append(modes[d])
     res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=_ints(ns.prefill, "--prefill"),
-                     tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads)
+                     tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads,
+                     roofline=ns.roofline)
     _write(ns.out, res, decode.to_markdown(res))
 
 
@@ -308,6 +309,10 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
                    help="tokens M teacher-forced after the prompt, one llama_decode each")
     d.add_argument("--deferred", default="off,on", help="deferred prefill: off, on or off,on")
     d.add_argument("--text", type=Path, help="text file (default: the evaluation slice of the default text)")
+    d.add_argument("--roofline", action="store_true",
+                   help="also measure bandwidth and F32 rate (before and after) and give each row rq-eval "
+                        "roofline's limit, f16's decode after a short prefill as the depth-0 step (a "
+                        f"{decode.ROOFLINE_STEP0}-token prefill is added when none is that short)")
 
     mm = add("memory", "deferred prefill: resident memory of the F16 transient vs eq. 12", cmd_memory,
              out="kv-memory")

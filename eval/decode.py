@@ -23,6 +23,7 @@ from rotaryquant.errors import RQError
 from rotaryquant.eval import logits
 
 BASELINE = "f16"
+ROOFLINE_STEP0 = 64  # prompt tokens of the run whose f16 decode stands for the depth-0 step
 N_BATCH = 512  # prompt tokens per llama_decode call (and per ubatch)
 
 
@@ -165,8 +166,12 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
 
 
 def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], tokens: int = 64,
-        deferred: Sequence[bool] = (False, True), threads: int = 2, progress=print) -> dict:
-    """Every (prefill, cache type, deferred) against the F16-KV baseline of the same prefill."""
+        deferred: Sequence[bool] = (False, True), threads: int = 2, roofline: bool = False, progress=print) -> dict:
+    """Every (prefill, cache type, deferred) against the F16-KV baseline of the same prefill.
+
+    roofline: also measure the triad bandwidth and F32 rate before and after, and give each row its roofline t/s
+    (rq-eval roofline's, f16's decode at the shortest prefill standing for the depth-0 step; a prefill of
+    ROOFLINE_STEP0 tokens is added when every prefill is longer)."""
     if tokens < 1:
         raise DecodeError(f"decoded tokens must be at least 1, got {tokens}")
     if not prefill or min(prefill) < 2:
@@ -180,11 +185,20 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
                           fix="re-run `make setup`, or use --deferred off")
     from rotaryquant.plan.accounting import kv_bits_or_none
 
+    prefill = sorted(set(prefill))
+    if roofline and prefill[0] > ROOFLINE_STEP0:
+        prefill = [ROOFLINE_STEP0, *prefill]  # the depth-0 step the roofline adds attention to
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
     # per context: a recent window's F16 copies (+wN) are a share of it
     bits_at = {n: kv_bits_or_none(model, [BASELINE, *cache_types], n + tokens, progress) for n in prefill}
     rows = []
     t_start = time.time()
+    rates = []
+    if roofline:
+        from rotaryquant.eval import roofline as rl
+
+        progress(f"[rq-eval decode] triad bandwidth and F32 matrix-product rate, {threads} threads")
+        rates.append(rl.machine_rates(threads))
     for n in prefill:
         targets = np.asarray(toks[n:n + tokens + 1])
         bits = bits_at[n]
@@ -204,8 +218,43 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
                          f"decode {row['decode_tps'] or 0:.1f} t/s")
                 del r
         del base
-    return {"model": model.name, "text": text.name, "tokens": tokens, "prefill": list(prefill), "threads": threads,
-            "n_batch": N_BATCH, "seconds": round(time.time() - t_start), "rows": rows}
+    compare(rows)
+    res = {"model": model.name, "text": text.name, "tokens": tokens, "prefill": list(prefill), "threads": threads,
+           "n_batch": N_BATCH, "seconds": round(time.time() - t_start), "rows": rows}
+    if roofline:
+        rates.append(rl.machine_rates(threads))
+        bw, rate = (sum(x) / 2 for x in zip(*rates))
+        costs = rl.step_costs(model, sorted({r["cache"] for r in rows}), prefill, tokens)
+        with_roofline(rows, costs, bw, rate)
+        res["roofline"] = {"bandwidth": [x[0] for x in rates], "f32_rate": [x[1] for x in rates],
+                           "bandwidth_used": bw, "f32_rate_used": rate, "step0_prefill": prefill[0]}
+    return res
+
+
+def compare(rows: list[dict]) -> None:
+    """Each row's prefill and decode t/s over the f16 baseline's at the same prefill (same run)."""
+    base = {r["prefill"]: r for r in rows if r["cache"] == BASELINE}
+    for r in rows:
+        b = base.get(r["prefill"])
+        for k in ("prefill_tps", "decode_tps"):
+            ok = b is not None and b[k] and r[k]
+            r[k.replace("_tps", "_vs_f16")] = r[k] / b[k] if ok else None
+
+
+def with_roofline(rows: list[dict], costs: dict[tuple[str, int], tuple[int, float]], bandwidth: float,
+                  rate: float) -> None:
+    """Each row's roofline t/s (rq-eval roofline's formula) and decode t/s over it. f16's decode after the shortest
+    prefill is the depth-0 step; costs[(cache, prefill)] = (K/V bytes, attention FLOPs) of that row's step."""
+    from rotaryquant.eval import roofline as rl
+
+    base = {r["prefill"]: r for r in rows if r["cache"] == BASELINE}
+    if not base or not base[min(base)]["decode_tps"]:
+        raise DecodeError("the roofline needs the f16 baseline's decode t/s at the shortest prefill")
+    step0 = base[min(base)]["decode_tps"]
+    for r in rows:
+        kv, flops = costs[(r["cache"], r["prefill"])]
+        r["roofline_tps"] = rl.roofline_tps(step0, kv, bandwidth, flops, rate)
+        r["decode_over_roofline"] = r["decode_tps"] / r["roofline_tps"] if r["decode_tps"] else None
 
 
 def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dict[str, float]) -> dict:
@@ -223,12 +272,26 @@ def to_markdown(res: dict) -> str:
              f"KLD per step against the F16-KV run of the same tokens, over {m + 1} steps; step 0 is the "
              "prefill's own logits (predicting token N), steps 1.."
              f"{m} are decode steps. PPL: those {m + 1} tokens under the run's own logits. Deferred: the "
-             "prompt attends an exact F16 copy of its K/V until the first decode step.", "",
-             "| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
-             "| step-0 KLD | prefill t/s | decode t/s |",
-             "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "prompt attends an exact F16 copy of its K/V until the first decode step. Speeds: wall clock of "
+             f"the prefill's llama_decode calls ({res.get('n_batch', N_BATCH)} tokens each) and of the decode "
+             f"steps, {res.get('threads', '?')} threads; vs f16: over the f16 run of the same prefill.", ""]
+    rl = res.get("roofline")
+    if rl:
+        lines += [f"Roofline (rq-eval roofline's): 1 / (f16's decode step after {rl['step0_prefill']} tokens + "
+                  "max(K/V bytes / bandwidth, attention FLOPs / F32 rate)); triad bandwidth "
+                  f"{rl['bandwidth'][0] / 1e9:.1f} GB/s before, {rl['bandwidth'][1] / 1e9:.1f} after; F32 rate "
+                  f"{rl['f32_rate'][0] / 1e9:.0f} GFLOP/s before, {rl['f32_rate'][1] / 1e9:.0f} after (means used).",
+                  ""]
+    extra = " roofline t/s | decode / roofline |" if rl else ""
+    lines += ["| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
+              "| step-0 KLD | prefill t/s | decode t/s | prefill vs f16 | decode vs f16 |" + extra,
+              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if rl else 0)]
+    f = lambda x, p=2: "–" if x is None else f"{x:.{p}f}"  # noqa: E731
     notes = set()
-    for r in res["rows"]:
+    rows = [dict(r) for r in res["rows"]]
+    if any("decode_vs_f16" not in r for r in rows):
+        compare(rows)  # results from before the ratios were stored: the same run's f16 rows
+    for r in rows:
         if r["cache"] == BASELINE:
             d = "(baseline)"
         elif r["deferred"]:
@@ -239,9 +302,12 @@ def to_markdown(res: dict) -> str:
                           "(kv_deferred_conversions = 0): the build ignores the switch for this cache.")
         else:
             d = "off"
-        tps = [("–" if x is None else f"{x:.1f}") for x in (r["prefill_tps"], r["decode_tps"])]
         bpv = "–" if r.get("bits_per_value") is None else f"{r['bits_per_value']:.3f}"
-        lines.append(f"| {r['prefill']} | {r['cache']} | {bpv} | {d} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} "
-                     f"| {r['kld_max']:.5f} | {r['same_top1_pct']:.1f} | {r['ppl']:.3f} | {r['kld_step0']:.5f} "
-                     f"| {tps[0]} | {tps[1]} |")
+        line = (f"| {r['prefill']} | {r['cache']} | {bpv} | {d} | {r['kld_mean']:.5f} | {r['kld_p99']:.5f} "
+                f"| {r['kld_max']:.5f} | {r['same_top1_pct']:.1f} | {r['ppl']:.3f} | {r['kld_step0']:.5f} "
+                f"| {f(r['prefill_tps'], 1)} | {f(r['decode_tps'], 1)} | {f(r.get('prefill_vs_f16'))} "
+                f"| {f(r.get('decode_vs_f16'))} |")
+        if rl:
+            line += f" {f(r.get('roofline_tps'), 1)} | {f(r.get('decode_over_roofline'))} |"
+        lines.append(line)
     return "\n".join(lines + ([""] + sorted(notes) if notes else [])) + "\n"

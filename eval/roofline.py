@@ -196,6 +196,17 @@ def bounds(gguf: Path, specs: list[str], depths: list[int], bandwidth: float, n_
     return [Bound(s, d, w, kv[(s, d)], bandwidth, bandwidth / (w + kv[(s, d)])) for s in specs for d in depths]
 
 
+def step_costs(gguf: Path, specs: list[str], depths: list[int], n_gen: int = 32) -> dict[tuple[str, int], tuple[int, float]]:
+    """(K/V bytes, attention FLOPs) of a decode step of each spec at each depth."""
+    kv = kv_bytes(gguf, sorted(set(specs) | {"f16"}), depths, n_gen)
+    return {(s, d): (kv[(s, d)], attention_flops(gguf, kv[("f16", d)])) for s in specs for d in depths}
+
+
+def machine_rates(threads: int) -> tuple[float, float]:
+    """(triad bytes/s, F32 FLOP/s) with ``threads`` threads: what the roofline divides by."""
+    return triad_bandwidth(threads), f32_rate(threads)
+
+
 def cache_limit_tps(tps_depth0: float, kv_bytes: int, bandwidth: float) -> float:
     """Decode t/s if a step cost the measured depth-0 step plus streaming ``kv_bytes`` at ``bandwidth``."""
     return 1.0 / (1.0 / tps_depth0 + kv_bytes / bandwidth)

@@ -74,9 +74,58 @@ def test_markdown_explains_the_baseline_and_flags_a_switch_without_effect():
     assert "against the F16-KV run" in md and "step 0 is the prefill's own logits" in md
     assert "| 64 | f16 | – | (baseline) |" in md  # rows from before bits_per_value was recorded
     assert "| 64 | q4_0 | – | on (no effect¹) |" in md and "kv_deferred_conversions = 0" in md
+    assert "| 100.0 | 10.0 | 1.00 | 1.00 |" in md  # ratios to the same run's f16, for results stored without them
     res["rows"][1]["counters"] = {"kv_deferred_conversions": 1}
     res["rows"][1]["bits_per_value"] = 4.5
     assert "| 64 | q4_0 | 4.500 | on |" in decode.to_markdown(res)
+
+
+def _speed_rows() -> list[dict]:
+    row = dict(kld_mean=0.0, kld_p99=0.0, kld_max=0.0, same_top1_pct=100.0, ppl=12.0, kld_step0=0.0, counters=None)
+    return [{**row, "prefill": 64, "cache": "f16", "deferred": False, "prefill_tps": 80.0, "decode_tps": 20.0},
+            {**row, "prefill": 64, "cache": "isoquant3_0", "deferred": True, "prefill_tps": 80.0, "decode_tps": 19.0},
+            {**row, "prefill": 4096, "cache": "f16", "deferred": False, "prefill_tps": 40.0, "decode_tps": 5.0},
+            {**row, "prefill": 4096, "cache": "isoquant3_0", "deferred": True, "prefill_tps": 38.0,
+             "decode_tps": 8.0}]
+
+
+def test_speeds_are_compared_with_f16_at_the_same_prefill():
+    rows = _speed_rows()
+    decode.compare(rows)
+    assert rows[3]["prefill_vs_f16"] == pytest.approx(0.95) and rows[3]["decode_vs_f16"] == pytest.approx(1.6)
+    assert rows[1]["decode_vs_f16"] == pytest.approx(0.95) and rows[2]["decode_vs_f16"] == 1.0
+    rows = [r for r in _speed_rows() if r["prefill"] == 4096 and r["cache"] != "f16"]
+    decode.compare(rows)  # no baseline at that prefill: no ratio, not an error
+    assert rows[0]["decode_vs_f16"] is None
+
+
+def test_roofline_adds_the_slower_of_read_and_arithmetic_to_f16s_shortest_step():
+    rows = _speed_rows()
+    bw, rate = 10e9, 100e9
+    # (K/V bytes, FLOPs): at 4096 the f16 read (0.05 s) binds, the iso3 read is cheaper than its arithmetic (0.02 s)
+    costs = {("f16", 64): (1e6, 1e6), ("isoquant3_0", 64): (2e5, 1e6),
+             ("f16", 4096): (5e8, 2e9), ("isoquant3_0", 4096): (1e8, 2e9)}
+    decode.with_roofline(rows, costs, bw, rate)
+    assert rows[2]["roofline_tps"] == pytest.approx(1 / (1 / 20 + 0.05))
+    assert rows[3]["roofline_tps"] == pytest.approx(1 / (1 / 20 + 0.02))
+    assert rows[3]["decode_over_roofline"] == pytest.approx(8.0 * (1 / 20 + 0.02))
+    with pytest.raises(decode.DecodeError, match="f16 baseline"):
+        decode.with_roofline([r for r in _speed_rows() if r["cache"] != "f16"], costs, bw, rate)
+
+
+def test_markdown_shows_roofline_columns_only_when_measured():
+    rows = _speed_rows()
+    decode.compare(rows)
+    res = {"model": "m.gguf", "text": "t.txt", "tokens": 8, "threads": 2, "n_batch": 512, "rows": rows}
+    md = decode.to_markdown(res)
+    assert "| decode vs f16 |" in md and "roofline" not in md
+    assert "| 4096 | isoquant3_0 | – | on (no effect¹) |" in md and "| 38.0 | 8.0 | 0.95 | 1.60 |" in md
+    decode.with_roofline(rows, {(c, n): (1e8, 1e9) for c in ("f16", "isoquant3_0") for n in (64, 4096)}, 1e10, 1e11)
+    res["roofline"] = {"bandwidth": [1e10, 1.2e10], "f32_rate": [1e11, 1.1e11], "step0_prefill": 64}
+    md = decode.to_markdown(res)
+    assert "decode / roofline |" in md and "10.0 GB/s before, 12.0 after" in md
+    head, sep = (ln for ln in md.splitlines() if ln.startswith("| prefill N") or ln.startswith("|---:"))
+    assert head.count("|") == sep.count("|")
 
 
 def test_report_picks_up_decode_results(tmp_path):
