@@ -22,6 +22,17 @@ def test_itq3_matmul_matches_dequantised_twin(bin_dir):
     assert rc == 0, out[-4000:]
 
 
+def test_attention_benchmark_runs_and_refuses_bad_shapes(bin_dir):
+    # a benchmark, not a speed check: every configuration at both thread counts gives a finite time
+    rc, out = _run([bin_dir / "bench-rq-attn", "64", "4", "2", "1", "2"])
+    assert rc == 0, out[-4000:]
+    rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("| ") and "ms" not in ln]
+    assert len(rows) == 8 and {r[2].strip() for r in rows} == {"1", "2"}, out
+    assert all(0 < float(r[4]) < 1e4 for r in rows), out
+    rc, out = _run([bin_dir / "bench-rq-attn", "64", "12", "5"])
+    assert rc == 1 and "usage" in out
+
+
 def test_fuzz_harness_bounded_run(bin_dir):
     # ASan + UBSan around our sources; random and adversarial blocks (NaN/Inf/max fp16 scales, zeros)
     rc, out = _run([bin_dir / "fuzz-rq", "-runs", "4000", "-seed", "20261129"])
