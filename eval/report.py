@@ -229,7 +229,7 @@ def build(results: Path) -> Path:
     for f in sorted(results.glob("roofline*.json")):  # rq-eval roofline: decode t/s against the bandwidth limit
         from rotaryquant.eval import roofline
 
-        body += [roofline.to_markdown(json.loads(f.read_text())), ""]
+        body += [roofline.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
         if f.with_suffix(".png").exists():
             body += [f"![decode t/s vs depth with the predicted limit]({f.stem}.png)", ""]
     fa = results / "fa-decode-kernel.md"  # test-backend-ops perf of one attention op (curated, no JSON)
@@ -245,7 +245,7 @@ def build(results: Path) -> Path:
     for f in decode_files:
         from rotaryquant.eval import decode
 
-        body += [decode.to_markdown(json.loads(f.read_text())), ""]
+        body += [decode.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
     if not decode_files:
         body += ["## Decode-time KV quality", "", "_not run: `rq-eval decode`_", ""]
 
