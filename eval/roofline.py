@@ -232,19 +232,16 @@ def run(model: Path, *, configs: list[tuple[str, str, bool]], depths: list[int],
 
     t0 = time.time()
     progress(f"[rq-eval roofline] triad bandwidth and F32 matrix-product rate, {threads} threads")
-    bw0 = triad_bandwidth(threads)
-    fr0 = f32_rate(threads)
+    bw0, fr0 = machine_rates(threads)
     depths = sorted(set(depths) | {0})
     res = kvbench.bench(model, configs=configs, depths=depths, n_prompt=0, n_gen=n_gen, reps=reps, threads=threads,
                         progress=progress)
-    bw1 = triad_bandwidth(threads)
-    fr1 = f32_rate(threads)
+    bw1, fr1 = machine_rates(threads)
     bw = (bw0 + bw1) / 2
     rate = (fr0 + fr1) / 2
     specs = sorted({c[1] for c in configs})
     bound = {(b.cache, b.depth): b for b in bounds(model, specs, depths, bw, n_gen)}
-    kv16 = kv_bytes(model, ["f16"], depths, n_gen)
-    flops = {d: attention_flops(model, kv16[("f16", d)]) for d in depths}
+    flops = {d: c[1] for (_, d), c in step_costs(model, ["f16"], depths, n_gen).items()}
     rows = []
     for r in res["rows"]:
         b = bound[(r["cache_type"], r["depth"])]
