@@ -10,6 +10,7 @@ from rotaryquant.bindings.ggml import (
     GGMLType,
     RQTypeError,
     counters,
+    cpu_avx512,
     dequantize,
     iso_variant,
     lib_dir,
@@ -17,6 +18,7 @@ from rotaryquant.bindings.ggml import (
     reset_counters,
     row_size,
     rq_version,
+    set_cpu_avx512,
     set_iso_skip_inverse,
     set_iso_variant,
     type_from_name,
@@ -28,7 +30,8 @@ from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",
-    "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters", "row_size",
-    "rq_version", "set_iso_skip_inverse", "set_iso_variant", "type_from_name", "type_name", "type_names",
+    "cpu_avx512", "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
+    "row_size", "rq_version", "set_cpu_avx512", "set_iso_skip_inverse", "set_iso_variant", "type_from_name",
+    "type_name", "type_names",
     "unhooked_archs",
 ]

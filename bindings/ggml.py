@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from enum import IntEnum
 from pathlib import Path
 from types import ModuleType
@@ -47,7 +48,8 @@ class GGMLType(IntEnum):
     ISOQUANT4_64 = 246
 
 
-COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows")  # all IsoQuant types
+# all IsoQuant types; the order of enum ggml_rq_counter
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows", "iso_avx512_calls")
 ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
@@ -86,6 +88,11 @@ def _ggml() -> ctypes.CDLL:
     base.ggml_rq_iso_set_variant.argtypes = [ctypes.c_int]
     base.ggml_rq_iso_get_variant.restype = ctypes.c_int
     base.ggml_rq_iso_set_skip_inverse.argtypes = [ctypes.c_bool]
+    base.ggml_rq_cpu_set_avx512.argtypes = [ctypes.c_bool]
+    base.ggml_rq_cpu_get_avx512.restype = ctypes.c_bool
+    avx = os.environ.get("GGML_RQ_CPU_AVX512", "")
+    if avx:  # as llama.cpp's tools read it (common-rq.cpp)
+        base.ggml_rq_cpu_set_avx512(avx != "0")
     base.ggml_rq_tensor_offset.restype = ctypes.c_size_t
     base.ggml_rq_tensor_offset.argtypes = [ctypes.c_char_p]
     base.ggml_type_name.restype = ctypes.c_char_p
@@ -255,3 +262,13 @@ def iso_variant() -> str:
 def set_iso_skip_inverse(skip: bool) -> None:
     """Research switch: fused attention leaves its output rotated (the paper's 'no inverse' ablation)."""
     _ggml().ggml_rq_iso_set_skip_inverse(bool(skip))
+
+
+def set_cpu_avx512(allow: bool) -> None:
+    """The CPU's AVX-512 IsoQuant attention kernels (VNNI scores, bf16 V) where the CPU has them (the default), or the
+    float ones (False): for A/B benchmarks; the environment's GGML_RQ_CPU_AVX512=0 sets False, as in llama.cpp's tools."""
+    _ggml().ggml_rq_cpu_set_avx512(bool(allow))
+
+
+def cpu_avx512() -> bool:
+    return bool(_ggml().ggml_rq_cpu_get_avx512())

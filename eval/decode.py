@@ -146,6 +146,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
         def last_logits(i: int) -> None:
             out[i] = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
 
+        bindings.reset_counters()
         t0 = time.perf_counter()
         done = 0
         for size in prefill_chunks(n):
@@ -160,9 +161,12 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
             decode_s += time.perf_counter() - t0
             last_logits(i)
         counters = bindings.kv_stats(llm)  # this context's deferred-prefill counters
+        c = bindings.counters()
     finally:
         llm.close()
-    return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters}
+    # which fused CPU kernels attended the IsoQuant cache (None: none did)
+    kernels = "AVX-512" if c["iso_avx512_calls"] else "float" if c["iso_fused_calls"] else None
+    return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters, "cpu_kernels": kernels}
 
 
 def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], tokens: int = 64,
@@ -262,7 +266,7 @@ def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dic
     return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": bpv, **s,
             "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
             "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
-            "counters": r["counters"]}
+            "counters": r["counters"], "cpu_kernels": r.get("cpu_kernels")}
 
 
 def to_markdown(res: dict) -> str:
@@ -282,6 +286,11 @@ def to_markdown(res: dict) -> str:
                   f"{rl['bandwidth'][0] / 1e9:.1f} GB/s before, {rl['bandwidth'][1] / 1e9:.1f} after; F32 rate "
                   f"{rl['f32_rate'][0] / 1e9:.0f} GFLOP/s before, {rl['f32_rate'][1] / 1e9:.0f} after (means used).",
                   ""]
+    kinds = sorted({r["cpu_kernels"] for r in res["rows"] if r.get("cpu_kernels")})
+    if kinds:
+        lines += ["IsoQuant attention on the CPU: " + " and ".join(
+            "AVX-512 kernels (VNNI scores, bf16 V; GGML_RQ_CPU_AVX512=0 takes the float ones)" if k == "AVX-512"
+            else "float kernels" for k in kinds) + ".", ""]
     extra = " roofline t/s | decode / roofline |" if rl else ""
     lines += ["| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
               "| step-0 KLD | prefill t/s | decode t/s | prefill vs f16 | decode vs f16 |" + extra,

@@ -60,6 +60,7 @@ enum ggml_rq_counter {
     GGML_RQ_ISO_FUSED_CALLS,      // flash-attention ops that read IsoQuant K/V in the rotated domain
     GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
     GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
+    GGML_RQ_ISO_AVX512_CALLS,     // a thread's share of a fused CPU op whose keys AVX-512 VNNI scored (ggml_rq_cpu_set_avx512)
     GGML_RQ_COUNTER_COUNT,
 };
 
@@ -100,6 +101,11 @@ GGML_API void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v);
 GGML_API enum ggml_rq_iso_variant ggml_rq_iso_get_variant(void);
 GGML_API void ggml_rq_iso_set_skip_inverse(bool skip); // fused FA leaves the output rotated (wrong on purpose)
 GGML_API bool ggml_rq_iso_get_skip_inverse(void);
+// Flash attention on the CPU scores ISOQUANT3_0/4_0 keys in integers with AVX-512 VNNI where the CPU has it (an int8
+// query and codebook: docs/cpu-paths.md), else with the float kernel. On by default; off for A/B benchmarks and for
+// tests of the float kernel on such CPUs.
+GGML_API void ggml_rq_cpu_set_avx512(bool allow);
+GGML_API bool ggml_rq_cpu_get_avx512(void);
 
 // R and R^T of the current variant on one 128-value block (in place allowed)
 GGML_API void ggml_rq_iso_rotate    (const float * x, float * y);

@@ -186,6 +186,35 @@ def test_gemma3_deferred_prefill_step0_is_exact(gemma3):
     assert max(s["kld_steps"][1:]) > 0
 
 
+@pytest.mark.slow
+def test_gemma3_cpu_kernels_ab(gemma3):
+    """The AVX-512 IsoQuant kernels (int8 query and K codebook, bf16 V weights) against the float ones on a real model:
+    each run says which kernels ran, and the roundings cost nothing against F16. They do move the logits: Gemma3-270M
+    turns any rounding in attention into KLD ~0.01-0.07 between two runs (the unfused F16 twin differs from the float
+    kernel as much), so the check is each run's distance to F16 (measured 0.0250 vs 0.0253), not to each other."""
+    from rotaryquant import bindings, data
+
+    n, m = 256, 16
+    toks = decode.text_tokens(gemma3, data.evaluation_text(), n + m + 1)
+    spec = "isoquant3_0+w16+self"
+    base = decode.run_once(gemma3, toks, n=n, m=m, cache="f16")
+    fast = decode.run_once(gemma3, toks, n=n, m=m, cache=spec)
+    bindings.set_cpu_avx512(False)
+    try:
+        slow = decode.run_once(gemma3, toks, n=n, m=m, cache=spec)
+    finally:
+        bindings.set_cpu_avx512(True)
+    assert base["cpu_kernels"] is None and slow["cpu_kernels"] == "float"
+    if fast["cpu_kernels"] == "float":
+        pytest.skip("this CPU has no AVX-512 VNNI/BF16: both runs took the float kernels")
+    assert fast["cpu_kernels"] == "AVX-512"
+    t = np.asarray(toks[n:n + m + 1])
+    k_fast = decode.score(base["logits"], fast["logits"], t)["kld_mean"]
+    k_slow = decode.score(base["logits"], slow["logits"], t)["kld_mean"]
+    assert decode.score(slow["logits"], fast["logits"], t)["kld_mean"] > 0  # they are different kernels
+    assert k_fast < 1.25*k_slow, (k_fast, k_slow)
+
+
 # --- command lines -------------------------------------------------------------------------------
 
 

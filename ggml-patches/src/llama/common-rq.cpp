@@ -59,4 +59,9 @@ void common_rq_params_from_env(llama_context_params & cparams) {
     if (!skip.empty()) {
         ggml_rq_iso_set_skip_inverse(skip != "0");
     }
+    // the CPU's AVX-512 IsoQuant attention kernels (VNNI scores, bf16 V) or the float ones, for A/B benchmarks
+    const std::string avx = env("GGML_RQ_CPU_AVX512");
+    if (!avx.empty()) {
+        ggml_rq_cpu_set_avx512(avx != "0");
+    }
 }
