@@ -151,13 +151,25 @@ def test_fused_and_unfused_attention_agree_on_the_real_model(gemma3):
 
     from rotaryquant.bindings.capture import capture
 
+    # The float kernels agree to F16 rounding; the AVX-512 ones (where the CPU has them) also round the query to int8
+    # and V's weights to bf16, measured 4.8e-3 at layer 0 here (docs/cpu-paths.md).
+    from rotaryquant import bindings
+
     iso = llama_cpp.GGML_TYPE_ISOQUANT3_0
     # no recent window: the unfused path has none, and the A/B compares the packed paths
-    a = capture(gemma3, PROMPT, ["kqv_out-0"], type_k=iso, type_v=iso, iso_unfused=False, kv_window=0)
-    b = capture(gemma3, PROMPT, ["kqv_out-0"], type_k=iso, type_v=iso, iso_unfused=True, kv_window=0)
-    x, y = a["kqv_out-0"], b["kqv_out-0"]
-    rel = float(((x - y) ** 2).sum() ** 0.5 / (y ** 2).sum() ** 0.5)
-    assert rel < 2e-3, rel
+    b = capture(gemma3, PROMPT, ["kqv_out-0"], type_k=iso, type_v=iso, iso_unfused=True, kv_window=0)["kqv_out-0"]
+
+    def rel(x):
+        return float(((x - b) ** 2).sum() ** 0.5 / (b ** 2).sum() ** 0.5)
+
+    fast = capture(gemma3, PROMPT, ["kqv_out-0"], type_k=iso, type_v=iso, iso_unfused=False, kv_window=0)
+    bindings.set_cpu_avx512(False)
+    try:
+        slow = capture(gemma3, PROMPT, ["kqv_out-0"], type_k=iso, type_v=iso, iso_unfused=False, kv_window=0)
+    finally:
+        bindings.set_cpu_avx512(True)
+    assert rel(slow["kqv_out-0"]) < 2e-3, rel(slow["kqv_out-0"])
+    assert rel(fast["kqv_out-0"]) < 1e-2, rel(fast["kqv_out-0"])
 
 
 def test_context_shift_with_isoquant_k(bin_dir, gemma3):
