@@ -508,7 +508,7 @@ static void iso_mad_rows_packed(int T, int nu, int n, float * GGML_RESTRICT vkq,
 #undef RQ_MAD_F
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-// Keys scored in integers with AVX-512 VNNI (Zen 4, Ice Lake and later; compiled function by function and taken at
+// Keys scored in integers with AVX-512 VNNI (Zen 4, Sapphire Rapids: VNNI and BF16; compiled function by function and taken at
 // run time, the build stays x86-64-v3). With 16-wide floats Zen 4 gains nothing (it splits a 512-bit FMA in two: the
 // AVX2 kernel already runs at ~85% of the FMA peak, measured 2026-12-04), so the lever is fewer operations per
 // key: vpdpbusd does 4 multiply-adds per lane. Per row and 128-value block the rotated query becomes int8,
@@ -517,7 +517,7 @@ static void iso_mad_rows_packed(int T, int nu, int n, float * GGML_RESTRICT vkq,
 //     <c[idx], q> ~ (max|c|/127) (max|q|/127) (sum_i (c8[idx_i] + 128) q8_i - 128 sum_i q8_i)
 // with the sum exact in int32: a row's score is the same whatever the tile, thread or company. The int8 query is
 // upstream's choice for its quantised K caches (Q8_0 as vec_dot_type); its error on a score is ~20x below 3-bit K's
-// own (docs/cpu-paths.md). 128-value blocks only (ISOQUANT3_0 and 4_0); V stays on the float kernel.
+// own (docs/cpu-paths.md). 128-value blocks only (ISOQUANT3_0 and 4_0); V: bf16 pairs, below.
 #define RQ_AVX512_TARGET "avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi,avx512vnni,avx512bf16"
 #define RQ_INLINE512 static inline __attribute__((always_inline, target(RQ_AVX512_TARGET)))
 #define RQ_HAVE_AVX512_FA 1
@@ -600,13 +600,12 @@ RQ_INLINE512 void iso_score_vnni_t(int T, int nk, int n, const uint8_t * const *
     GGML_UNUSED(qk);
     const __m512i tab  = _mm512_loadu_si512(tab8);
     const __m512i ctrl = _mm512_set1_epi64(0x15120f0c09060300ll); // index j of a lane at bit 3j
-    int8_t g[2][64];
-    for (int h = 0; h < 2; ++h) {
-        for (int i = 0; i < 64; ++i) {
-            g[h][i] = (int8_t) MIN(24*h + 3*(i/8) + i%8, 63);
-        }
-    }
-    const __m512i g0 = _mm512_loadu_si512(g[0]), g1 = _mm512_loadu_si512(g[1]);
+    // byte b of lane i of half h <- byte 24h + 3i + b of the block's indices (b < 4 is read)
+    const __m512i step = _mm512_set1_epi64(0x0706050403020100ll);
+    const __m512i lane = _mm512_set_epi64(21ll*0x0101010101010101ll, 18ll*0x0101010101010101ll, 15ll*0x0101010101010101ll,
+                                          12ll*0x0101010101010101ll,  9ll*0x0101010101010101ll,  6ll*0x0101010101010101ll,
+                                           3ll*0x0101010101010101ll,  0ll);
+    const __m512i g0 = _mm512_add_epi8(lane, step), g1 = _mm512_add_epi8(g0, _mm512_set1_epi8(24));
     for (int j = 0; j < nk; j += 2) {
         const int NK = j + 1 < nk ? 2 : 1;
         __m256 s[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };
@@ -676,17 +675,14 @@ RQ_INLINE512 __m512bh iso_pair16(const uint8_t * q0, const uint8_t * q1, int g, 
 RQ_INLINE512 void iso_mad_bf16_t(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_t vkq_stride,
                                  const uint8_t * const * vx, const float (*w)[RQ_FA_TILE], const uint16_t * tab16,
                                  int bits, int qk) {
-    const __m512i tab = _mm512_loadu_si512(tab16);
-    // lane k (dim k of the group pair) at bit 3k or 4k of the pair's word; a 3-bit word starts 16 bits in
-    int64_t c[8];
-    for (int i = 0; i < 8; ++i) {
-        const int o = bits == 3 ? 16 : 0;
-        c[i] = (int64_t) (o + bits*(2*i)) | ((int64_t) (o + bits*(2*i + 1)) << 32);
-    }
-    const __m512i ctrl = _mm512_loadu_si512(c);
     if (nu == 0) {
         return;
     }
+    const __m512i tab = _mm512_loadu_si512(tab16);
+    // lane k (dim k of the group pair) at bit 3k or 4k of the pair's word; a 3-bit word starts 16 bits in
+    const __m512i lo   = _mm512_add_epi64(_mm512_set1_epi64(bits == 3 ? 16 : 0),
+                                          _mm512_mullo_epi64(_mm512_set_epi64(7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi64(2*bits)));
+    const __m512i ctrl = _mm512_or_si512(lo, _mm512_slli_epi64(_mm512_add_epi64(lo, _mm512_set1_epi64(bits)), 32));
     const int np = (nu + 1)/2;
     for (int ib = 0; ib < n / qk; ++ib) {
         uint32_t        wp[RQ_FA_KB/2][RQ_FA_TILE]; // the pair's two weights as bf16, the first in the low half
