@@ -11,6 +11,7 @@ from rotaryquant.bindings.ggml import (
     RQTypeError,
     counters,
     cpu_avx512,
+    cpu_split,
     dequantize,
     iso_variant,
     lib_dir,
@@ -19,6 +20,7 @@ from rotaryquant.bindings.ggml import (
     row_size,
     rq_version,
     set_cpu_avx512,
+    set_cpu_split,
     set_iso_skip_inverse,
     set_iso_variant,
     type_from_name,
@@ -30,8 +32,8 @@ from rotaryquant.bindings.tools import binary, bin_dir
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",
-    "cpu_avx512", "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
-    "row_size", "rq_version", "set_cpu_avx512", "set_iso_skip_inverse", "set_iso_variant", "type_from_name",
+    "cpu_avx512", "cpu_split", "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
+    "row_size", "rq_version", "set_cpu_avx512", "set_cpu_split", "set_iso_skip_inverse", "set_iso_variant", "type_from_name",
     "type_name", "type_names",
     "unhooked_archs",
 ]

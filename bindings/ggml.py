@@ -49,7 +49,8 @@ class GGMLType(IntEnum):
 
 
 # all IsoQuant types; the order of enum ggml_rq_counter
-COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows", "iso_avx512_calls")
+COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows", "iso_avx512_calls",
+            "iso_split_calls")
 ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
@@ -93,6 +94,10 @@ def _ggml() -> ctypes.CDLL:
     avx = os.environ.get("GGML_RQ_CPU_AVX512", "")
     if avx:  # as llama.cpp's tools read it (common-rq.cpp)
         base.ggml_rq_cpu_set_avx512(avx != "0")
+    base.ggml_rq_cpu_set_split.argtypes = [ctypes.c_bool]
+    base.ggml_rq_cpu_get_split.restype = ctypes.c_bool
+    if os.environ.get("GGML_RQ_CPU_SPLIT", "") == "0":  # a benchmark's A/B: the same bits either way
+        base.ggml_rq_cpu_set_split(False)
     base.ggml_rq_tensor_offset.restype = ctypes.c_size_t
     base.ggml_rq_tensor_offset.argtypes = [ctypes.c_char_p]
     base.ggml_type_name.restype = ctypes.c_char_p
@@ -272,3 +277,14 @@ def set_cpu_avx512(allow: bool) -> None:
 
 def cpu_avx512() -> bool:
     return bool(_ggml().ggml_rq_cpu_get_avx512())
+
+
+def set_cpu_split(allow: bool) -> None:
+    """Single-token decode with fewer K/V heads than threads splits each head's keys across the threads (the default,
+    the same bits), or only the heads' rows (False): for A/B benchmarks; GGML_RQ_CPU_SPLIT=0 in the environment sets
+    False."""
+    _ggml().ggml_rq_cpu_set_split(bool(allow))
+
+
+def cpu_split() -> bool:
+    return bool(_ggml().ggml_rq_cpu_get_split())

@@ -166,7 +166,8 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
         llm.close()
     # which fused CPU kernels attended the IsoQuant cache (None: none did)
     kernels = "AVX-512" if c["iso_avx512_calls"] else "float" if c["iso_fused_calls"] else None
-    return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters, "cpu_kernels": kernels}
+    return {"logits": out, "prefill_s": prefill_s, "decode_s": decode_s, "counters": counters, "cpu_kernels": kernels,
+            "key_split_ops": c["iso_split_calls"]}
 
 
 def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], tokens: int = 64,
@@ -266,7 +267,7 @@ def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dic
     return {"prefill": n, "cache": cache, "deferred": deferred, "bits_per_value": bpv, **s,
             "prefill_tps": round(n / r["prefill_s"], 2) if r["prefill_s"] else None,
             "decode_tps": round(m / r["decode_s"], 2) if r["decode_s"] else None,
-            "counters": r["counters"], "cpu_kernels": r.get("cpu_kernels")}
+            "counters": r["counters"], "cpu_kernels": r.get("cpu_kernels"), "key_split_ops": r.get("key_split_ops", 0)}
 
 
 def to_markdown(res: dict) -> str:
@@ -291,6 +292,9 @@ def to_markdown(res: dict) -> str:
         lines += ["IsoQuant attention on the CPU: " + " and ".join(
             "AVX-512 kernels (VNNI scores, bf16 V; GGML_RQ_CPU_AVX512=0 takes the float ones)" if k == "AVX-512"
             else "float kernels" for k in kinds) + ".", ""]
+    if any(r.get("key_split_ops") for r in res["rows"]):
+        lines += ["Single-token decode with fewer K/V heads than threads: the threads split each head's keys "
+                  "(GGML_RQ_CPU_SPLIT=0: rows only; same bits).", ""]
     extra = " roofline t/s | decode / roofline |" if rl else ""
     lines += ["| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
               "| step-0 KLD | prefill t/s | decode t/s | prefill vs f16 | decode vs f16 |" + extra,

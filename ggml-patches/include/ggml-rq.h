@@ -61,6 +61,7 @@ enum ggml_rq_counter {
     GGML_RQ_ISO_FALLBACK_CALLS,   // flash-attention ops with IsoQuant K/V that took the generic path
     GGML_RQ_ISO_QUANT_ROWS,       // IsoQuant blocks written (quantised)
     GGML_RQ_ISO_AVX512_CALLS,     // a thread's share of a fused CPU op whose keys AVX-512 VNNI scored (ggml_rq_cpu_set_avx512)
+    GGML_RQ_ISO_SPLIT_CALLS,      // fused CPU decode ops whose threads split the keys of a K/V head (fewer heads than threads)
     GGML_RQ_COUNTER_COUNT,
 };
 
@@ -106,6 +107,10 @@ GGML_API bool ggml_rq_iso_get_skip_inverse(void);
 // tests of the float kernel on such CPUs.
 GGML_API void ggml_rq_cpu_set_avx512(bool allow);
 GGML_API bool ggml_rq_cpu_get_avx512(void);
+// Single-token decode with fewer K/V heads than threads splits each head's keys across the threads (the same bits as
+// one thread: docs/isoquant-design.md). On by default; off only to time the row split it replaces (bench-rq-attn).
+GGML_API void ggml_rq_cpu_set_split(bool allow);
+GGML_API bool ggml_rq_cpu_get_split(void);
 
 // R and R^T of the current variant on one 128-value block (in place allowed)
 GGML_API void ggml_rq_iso_rotate    (const float * x, float * y);

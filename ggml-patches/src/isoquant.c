@@ -41,6 +41,7 @@ static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
     [GGML_RQ_ISO_FALLBACK_CALLS] = "iso_fallback_calls",
     [GGML_RQ_ISO_QUANT_ROWS]     = "iso_quant_rows",
     [GGML_RQ_ISO_AVX512_CALLS]   = "iso_avx512_calls",
+    [GGML_RQ_ISO_SPLIT_CALLS]    = "iso_split_calls",
 };
 
 uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
@@ -108,6 +109,7 @@ void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tenso
 static _Atomic int rq_iso_variant  = GGML_RQ_ISO_V3;
 static _Atomic int rq_iso_skip_inv = 0;
 static _Atomic int rq_cpu_avx512   = 1;
+static _Atomic int rq_cpu_split    = 1;
 
 void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
     GGML_ASSERT((unsigned) v <= GGML_RQ_ISO_NONE);
@@ -128,6 +130,12 @@ void ggml_rq_cpu_set_avx512(bool allow) { atomic_store(&rq_cpu_avx512, allow ? 1
 
 bool ggml_rq_cpu_get_avx512(void) {
     return atomic_load_explicit(&rq_cpu_avx512, memory_order_relaxed) != 0;
+}
+
+void ggml_rq_cpu_set_split(bool allow) { atomic_store(&rq_cpu_split, allow ? 1 : 0); }
+
+bool ggml_rq_cpu_get_split(void) {
+    return atomic_load_explicit(&rq_cpu_split, memory_order_relaxed) != 0;
 }
 
 const float * ggml_rq_iso_codebook(void) {

@@ -90,18 +90,21 @@ def test_switches_round_trip():
         bindings.set_iso_variant("v3")
     with pytest.raises(ValueError, match="unknown IsoQuant variant"):
         bindings.set_iso_variant("v9")
-    assert bindings.cpu_avx512()  # on unless GGML_RQ_CPU_AVX512=0
-    bindings.set_cpu_avx512(False)
-    try:
-        assert not bindings.cpu_avx512()
-    finally:
-        bindings.set_cpu_avx512(True)
+    # on unless GGML_RQ_CPU_AVX512=0 / GGML_RQ_CPU_SPLIT=0
+    for get, put in ((bindings.cpu_avx512, bindings.set_cpu_avx512), (bindings.cpu_split, bindings.set_cpu_split)):
+        assert get()
+        put(False)
+        try:
+            assert not get()
+        finally:
+            put(True)
 
 
-def test_cpu_avx512_is_read_from_the_environment_as_the_tools_read_it():
-    code = "from rotaryquant import bindings; print(bindings.cpu_avx512())"
+@pytest.mark.parametrize("switch,var", [("cpu_avx512", "GGML_RQ_CPU_AVX512"), ("cpu_split", "GGML_RQ_CPU_SPLIT")])
+def test_cpu_switches_are_read_from_the_environment(switch, var):
+    code = f"from rotaryquant import bindings; print(bindings.{switch}())"
     for value, want in (("0", "False"), ("1", "True")):
-        env = {**os.environ, "GGML_RQ_CPU_AVX512": value}
+        env = {**os.environ, var: value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
 

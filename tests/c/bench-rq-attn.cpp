@@ -1,6 +1,6 @@
 // One decode step's attention at a model's shape, timed: the fused IsoQuant kernel with and without exact rows (the
-// default 16-position window), its AVX-512 kernels against the float ones, beside upstream's F16 kernel, with 1 and
-// 2 threads. A benchmark, not a test: it checks
+// default 16-position window), its AVX-512 kernels against the float ones, with and without the threads splitting a
+// head's keys (fewer K/V heads than threads), beside upstream's F16 kernel, with 1 and 2 threads. A benchmark, not a test: it checks
 // nothing but prints a table (docs/results/fa-decode-kernel.md). test-backend-ops perf covers the op without exact
 // rows and on half the hardware threads only; llama-bench times the whole step.
 //
@@ -29,6 +29,7 @@ struct cfg {
     bool         cells;  // K/V stored as llama's cache stores them, [hs, n_head_kv, n_kv] (a cell's heads adjacent)
                          // and viewed per head; otherwise each head's cells contiguous
     bool         avx2;   // the float kernels even where the CPU has the AVX-512 ones (ggml_rq_cpu_set_avx512(false))
+    bool         rows;   // threads split the heads' rows only, not a head's keys (ggml_rq_cpu_set_split(false))
 };
 
 // a graph of `layers` FLASH_ATTN_EXT ops, each over its own K/V, in its own context
@@ -96,12 +97,13 @@ int main(int argc, char ** argv) {
         return 1;
     }
     const cfg cfgs[] = {
-        { "f16, cache layout",                   GGML_TYPE_F16,         0,  true,  false },
-        { "isoquant3_0, heads contiguous",       GGML_TYPE_ISOQUANT3_0, 0,  false, false },
-        { "isoquant3_0, cache layout, float",    GGML_TYPE_ISOQUANT3_0, 0,  true,  true  },
-        { "isoquant3_0, cache layout",           GGML_TYPE_ISOQUANT3_0, 0,  true,  false },
-        { "isoquant3_0 w16, cache layout, float", GGML_TYPE_ISOQUANT3_0, 16, true, true  },
-        { "isoquant3_0 w16, cache layout",       GGML_TYPE_ISOQUANT3_0, 16, true,  false },
+        { "f16, cache layout",                        GGML_TYPE_F16,         0,  true,  false, false },
+        { "isoquant3_0, heads contiguous",            GGML_TYPE_ISOQUANT3_0, 0,  false, false, false },
+        { "isoquant3_0, cache layout, float",         GGML_TYPE_ISOQUANT3_0, 0,  true,  true,  false },
+        { "isoquant3_0, cache layout",                GGML_TYPE_ISOQUANT3_0, 0,  true,  false, false },
+        { "isoquant3_0 w16, cache layout, float",     GGML_TYPE_ISOQUANT3_0, 16, true,  true,  false },
+        { "isoquant3_0 w16, cache layout",            GGML_TYPE_ISOQUANT3_0, 16, true,  false, false },
+        { "isoquant3_0 w16, cache layout, rows only", GGML_TYPE_ISOQUANT3_0, 16, true,  false, true  },
     };
     printf("FLASH_ATTN_EXT, one query token, head size 128, %d query heads over %d KV heads, %d cells; %d reps of "
            "%d ops, each over its own K/V, configurations interleaved; ms per op\n\n", n_head, n_head_kv, n_kv, reps, layers);
@@ -118,6 +120,7 @@ int main(int argc, char ** argv) {
         for (int it = 0; it < 2; ++it) {
             for (int i = 0; i < n_cfg; ++i) {
                 ggml_rq_cpu_set_avx512(!cfgs[i].avx2);
+                ggml_rq_cpu_set_split(!cfgs[i].rows);
                 const auto t0 = std::chrono::steady_clock::now();
                 ggml_graph_compute_with_ctx(ctx[i], gf[i], threads[it]);
                 const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -126,6 +129,7 @@ int main(int argc, char ** argv) {
         }
     }
     ggml_rq_cpu_set_avx512(true);
+    ggml_rq_cpu_set_split(true);
     // rows without ", float" take the AVX-512 kernels (VNNI scores, bf16 V) where this CPU has them
     printf("IsoQuant kernels: %s\n\n", ggml_rq_counter_get(GGML_RQ_ISO_AVX512_CALLS) > 0
                                           ? "AVX-512 (VNNI scores, bf16 V) where not marked float"

@@ -88,7 +88,8 @@ static std::vector<float> attend_x(ggml_type tk, ggml_type tv, const std::vector
                                    const std::vector<float> & v, const std::vector<float> & xk, const std::vector<float> & xv,
                                    const std::vector<int32_t> & rows, const std::vector<float> & mask,
                                    int hs, int n_q, int n_head, int n_kv, int n_head_kv, int n_stream,
-                                   const std::vector<int32_t> & until = {}, const std::vector<int32_t> & q_pos = {}) {
+                                   const std::vector<int32_t> & until = {}, const std::vector<int32_t> & q_pos = {},
+                                   int n_threads = 2) {
     ggml_init_params ip = { 256u*1024*1024, nullptr, false };
     ggml_context * ctx = ggml_init(ip);
     ggml_tensor * tq = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, hs, n_q, n_head, n_stream);
@@ -128,7 +129,7 @@ static std::vector<float> attend_x(ggml_type tk, ggml_type tv, const std::vector
     }
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
-    ggml_graph_compute_with_ctx(ctx, gf, 2);
+    ggml_graph_compute_with_ctx(ctx, gf, n_threads);
     std::vector<float> res(ggml_nelements(out));
     memcpy(res.data(), out->data, ggml_nbytes(out));
     ggml_free(ctx);
@@ -500,6 +501,66 @@ int main() {
         }
         ggml_rq_cpu_set_avx512(false);
     }
+
+    // single-token decode over more keys than one chunk (rq-cpu.c: RQ_FA_CHUNK = 1024 visible keys), fewer K/V heads
+    // than threads: the threads split each head's chunks (ggml_rq_fa_iso_split), and the output must be the bits of one
+    // thread, which folds the same chunks in the same order, for any thread count; both kernels, masked holes, exact
+    // rows. Against the dequantised F32 twin the fold must be attention (the float kernels, 2e-5 as above).
+    for (bool avx512 : {false, true})
+    for (ggml_type tk : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_F16})
+    for (int hkv : {1, 2})
+    for (int ratio : {4, 6}) {
+        const int hs = 128, nh = hkv*ratio, n_kv = 4500, n_embd = hs*hkv;
+        const ggml_type tv = GGML_TYPE_ISOQUANT3_0;
+        ggml_rq_cpu_set_avx512(avx512);
+        std::vector<float> q((size_t) hs*nh), k((size_t) hs*n_kv*hkv), v(k.size());
+        fill(q, rng, 1.0f, 1.0f);
+        fill(k, rng, 1.0f, 8.0f);
+        fill(v, rng, 0.5f, 1.0f);
+        std::vector<float> mask(n_kv, 0.0f);
+        for (int c = 0; c < n_kv; ++c) {
+            if (c % 13 == 6 || (c > 2000 && c < 2300)) mask[c] = -INFINITY; // holes, and a run of another sequence's cells
+        }
+        std::vector<int32_t> rows(n_kv, -1);
+        std::vector<float> xk, xv;
+        for (int c = 0; c < n_kv; ++c) {
+            if (c < n_kv - 16 && c % 97 != 5) continue; // a recent window and sparse exact cells
+            rows[c] = (int32_t) (xk.size()/n_embd);
+            for (int h = 0; h < hkv; ++h) {
+                const size_t off = ((size_t) h*n_kv + c)*hs;
+                xk.insert(xk.end(), k.begin() + off, k.begin() + off + hs);
+                xv.insert(xv.end(), v.begin() + off, v.begin() + off + hs);
+            }
+        }
+        const char * tn = ggml_type_name(tk);
+        const std::vector<float> one = attend_x(tk, tv, q, k, v, xk, xv, rows, mask, hs, 1, nh, n_kv, hkv, 1, {}, {}, 1);
+        for (int nt : {2, 3, 4, 8}) {
+            ggml_rq_counters_reset();
+            const std::vector<float> got = attend_x(tk, tv, q, k, v, xk, xv, rows, mask, hs, 1, nh, n_kv, hkv, 1, {}, {}, nt);
+            const bool split = ggml_rq_counter_get(GGML_RQ_ISO_SPLIT_CALLS) == 1;
+            CHECK(split == (nt/hkv >= 2), "%s %d heads over %d, %d threads: split %d", tn, nh, hkv, nt, (int) split);
+            CHECK(memcmp(got.data(), one.data(), one.size()*sizeof(float)) == 0,
+                  "%s %d heads over %d, avx512 %d: %d threads differ from one (max |diff| at %g)", tn, nh, hkv, (int) avx512, nt,
+                  (double) [&] { float m = 0; for (size_t i = 0; i < one.size(); ++i) m = std::max(m, fabsf(got[i] - one[i])); return m; }());
+        }
+        if (!avx512 && tk != GGML_TYPE_F16) { // F16 K scores with an F16 query: the twin would need its rounding
+            std::vector<float> kr = roundtrip(k, hs, tk), vr = roundtrip(v, hs, tv);
+            for (int c = 0; c < n_kv; ++c) {
+                if (rows[c] < 0) continue;
+                for (int h = 0; h < hkv; ++h) {
+                    const size_t off = ((size_t) h*n_kv + c)*hs, xo = ((size_t) rows[c]*hkv + h)*hs;
+                    for (int i = 0; i < hs; ++i) {
+                        kr[off + i] = f16_round(xk[xo + i]);
+                        vr[off + i] = f16_round(xv[xo + i]);
+                    }
+                }
+            }
+            const std::vector<float> ref = attend_x(GGML_TYPE_F32, GGML_TYPE_F32, q, kr, vr, {}, {}, {}, mask, hs, 1, nh, n_kv, hkv, 1);
+            const double e = rel_err(one, ref);
+            CHECK(e < 2e-5, "%s %d heads over %d: chunked decode vs dequantised-F32 twin rel err %.3g", tn, nh, hkv, e);
+        }
+    }
+    ggml_rq_cpu_set_avx512(false);
 
     // the ablation switch really skips the inverse rotation (output stays in the rotated domain)
     {

@@ -354,6 +354,10 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 
 #define RQ_FA_TILE 8   // query rows of one K/V head processed together
 #define RQ_FA_KB   16  // keys per online-softmax update
+// Visible keys per chunk: each chunk runs its own online softmax and the chunks are folded in order (iso_fa_fold).
+// A fixed count of a row's visible keys, so chunk boundaries do not depend on threads, batch or cache layout, and
+// single-token decode can hand a tile's chunks to several threads (ggml_rq_fa_iso_split) with the same bits.
+#define RQ_FA_CHUNK 1024
 
 #if defined(__AVX2__)
 // 8 vectors -> their 8 horizontal sums, in order
@@ -791,12 +795,59 @@ static void iso_mad_rows(int T, int nu, int n, float * GGML_RESTRICT vkq, int64_
 }
 #endif
 
-void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
+// a row's online-softmax state: max, sum, V accumulated (rotated domain), exact rows' V (unrotated)
+static void iso_fa_fold(int64_t n, bool x, float * m, float * s, float * vkq, float * vkx,
+                        float mc, float sc, const float * vkqc, const float * vkxc) {
+    if (mc == -INFINITY) {
+        return; // no visible key in the chunk
+    }
+    const float mx = MAX(*m, mc);
+    const float a  = expf(*m - mx); // 0 for the first chunk: the total becomes the chunk's, exactly
+    const float b  = expf(mc - mx);
+    ggml_vec_scale_f32(n, vkq, a);
+    ggml_vec_mad_f32(n, vkq, vkqc, b);
+    if (x) {
+        ggml_vec_scale_f32(n, vkx, a);
+        ggml_vec_mad_f32(n, vkx, vkxc, b);
+    }
+    *s = *s*a + sc*b;
+    *m = mx;
+}
+
+// a row's output from its folded state: inverse rotation, exact rows' V, sinks, 1/sum, permuted into dst
+static void iso_fa_finish(struct ggml_tensor * dst, const int64_t row[3], int64_t n, int qk, float m, float s,
+                          float * vkq, const float * vkx) {
+    const struct ggml_tensor * sinks = dst->src[4];
+    ggml_rq_iso_unrotate_qk(n, vkq, qk);
+    if (vkx) {
+        ggml_vec_acc_f32(n, vkq, vkx);
+    }
+    if (sinks) {
+        const float sk = ((const float *) sinks->data)[row[1]];
+        float ms = 1.0f;
+        float vs = 1.0f;
+        if (sk > m) {
+            ms = expf(m - sk);
+            ggml_vec_scale_f32(n, vkq, ms);
+        } else {
+            vs = expf(sk - m);
+        }
+        s = s*ms + vs;
+    }
+    const float s_inv = s == 0.0f ? 0.0f : 1.0f/s;
+    ggml_vec_scale_f32(n, vkq, s_inv);
+    // permute(0, 2, 1, 3)
+    memcpy((char *) dst->data + (row[2]*dst->ne[2]*dst->ne[1] + row[1] + row[0]*dst->ne[1])*dst->nb[1], vkq, dst->nb[1]);
+}
+
+// Rows [ir0, ir1), chunks [c0, c1) of each row's visible keys starting at cell ic0 (0, INT64_MAX, 0: all of them).
+// part: one tile's chunk states, [chunk][row][m, s, V, exact V], written instead of the output (the split path).
+static void iso_fa_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1,
+                        int64_t c0, int64_t c1, int64_t ic0, float * part) {
     const struct ggml_tensor * q     = dst->src[0];
     const struct ggml_tensor * k     = dst->src[1];
     const struct ggml_tensor * v     = dst->src[2];
     const struct ggml_tensor * mask  = dst->src[3];
-    const struct ggml_tensor * sinks = dst->src[4];
     // exact rows standing in for some cells' packed K and V (ggml_rq_flash_attn_ext_set_exact), in the cache's domain
     const struct ggml_tensor * k_x   = dst->src[5];
     const struct ggml_tensor * v_x   = dst->src[6];
@@ -855,6 +906,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
     float         Q32[RQ_FA_TILE][qrow/sizeof(float) + 1];
     float         M[RQ_FA_TILE], S[RQ_FA_TILE], slope[RQ_FA_TILE];
     int64_t       row[RQ_FA_TILE][3];
+    // the chunks folded so far (VKQ, VKX, M, S hold the current chunk's)
+    float         Mt[RQ_FA_TILE], St[RQ_FA_TILE], VKQt[RQ_FA_TILE][DV];
 #if defined(__AVX2__)
     // packed keys and values are read in place: the codebooks once, the query tile interleaved, the block's V rows
     const iso_lut    Lk = iso_lut_init(k_iso ? k_bits : 3, k_iso ? k_qk : QK_ISO);
@@ -893,7 +946,8 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
 #endif
     // exact keys: the raw query rows, the values accumulated unrotated, the block's exact values and both kinds' weights
     const float * QR[RQ_FA_TILE];
-    float VKX[RQ_FA_TILE][xrows ? DV : 1];
+    float VKX[RQ_FA_TILE][xrows ? DV : 1], VKXt[RQ_FA_TILE][xrows ? DV : 1];
+    const int64_t rec = 2 + DV + (xrows ? DV : 0); // a row's record in part
     float kx[xrows ? DK : 1], vx[xrows ? RQ_FA_KB : 1][xrows ? DV : 1];
 #if defined(__AVX2__)
     float wc[RQ_FA_KB][RQ_FA_TILE];
@@ -932,11 +986,11 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
             row[T][0] = iq1; row[T][1] = iq2; row[T][2] = iq3;
             const uint32_t h = iq2;
             slope[T] = (max_bias > 0.0f) ? h < n_head_log2 ? powf(m0, h + 1) : powf(m1, 2*(h - n_head_log2) + 1) : 1.0f;
-            M[T] = -INFINITY;
-            S[T] = 0.0f;
-            memset(VKQ[T], 0, DV*sizeof(float));
+            Mt[T] = -INFINITY;
+            St[T] = 0.0f;
+            memset(VKQt[T], 0, DV*sizeof(float));
             if (xrows) {
-                memset(VKX[T], 0, DV*sizeof(float));
+                memset(VKXt[T], 0, DV*sizeof(float));
                 QR[T] = (const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3));
             }
             q_to_vec_dot((const float *) ((const char *) q->data + (iq1*nbq1 + iq2*nbq2 + iq3*nbq3)), Q32[T], DK);
@@ -952,205 +1006,293 @@ void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_
         }
 #endif
 
-        // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
-        // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values
-        for (int64_t ic = 0; ic < nek1; ) {
-            int nu = 0, nc = 0, nx = 0; // keys in the block: all, packed, exact
+        GGML_ASSERT(!part || T == ir1 - ir0); // the split path hands over one tile at a time
+        int64_t ic = ic0;
+        for (int64_t ch = c0; ch < c1 && ic < nek1; ++ch) {
+            for (int t = 0; t < T; ++t) {
+                M[t] = -INFINITY;
+                S[t] = 0.0f;
+                memset(VKQ[t], 0, DV*sizeof(float));
+                if (xrows) {
+                    memset(VKX[t], 0, DV*sizeof(float));
+                }
+            }
+            // the next RQ_FA_KB visible keys: scores of every row first, then one online-softmax update per row
+            // (vector exp, at most one rescale of VKQ), then V accumulated from the block's values
+            for (int64_t nv = 0; nv < RQ_FA_CHUNK && ic < nek1; ) {
+                int nu = 0, nc = 0, nx = 0; // keys in the block: all, packed, exact
 #if defined(__AVX2__)
-            int nk = 0;                 // packed keys whose scores wait for iso_score_rows
+                int nk = 0;                 // packed keys whose scores wait for iso_score_rows
 #endif
-            float raw[RQ_FA_KB][RQ_FA_TILE], mkv[RQ_FA_KB]; // rows' raw scores, mask values
-            for (; ic < nek1 && nu < RQ_FA_KB; ++ic) {
-                const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
-                if (mk == -INFINITY) {
-                    continue;
-                }
-                const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
-                const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
-                const int32_t xr = xrows && (!xuntil || qp <= xuntil[ik3*nek1 + ic]) ? xrows[ik3*nek1 + ic] : -1;
-                float * s = raw[nu]; // rows t < T; packed keys' scores are written later, all lanes
-                is_x[nu] = xr >= 0;
-                if (xr >= 0 || !k_iso) {
-                    memset(s, 0, sizeof(raw[nu])); // the lanes of absent rows stay finite
-                }
-                if (xr >= 0) {
-                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) k_x->data + xr*k_x->nb[1]) + ik2*DK, kx, DK);
-                    for (int t = 0; t < T; ++t) {
-                        ggml_vec_dot_f32(DK, &s[t], 0, kx, 0, QR[t], 0, 1);
+                float raw[RQ_FA_KB][RQ_FA_TILE], mkv[RQ_FA_KB]; // rows' raw scores, mask values
+                for (; ic < nek1 && nu < RQ_FA_KB; ++ic) {
+                    const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[ic]) : 0.0f;
+                    if (mk == -INFINITY) {
+                        continue;
                     }
-                    ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) v_x->data + xr*v_x->nb[1]) + iv2*DV, vx[nx++], DV);
-                } else if (k_iso) {
-#if defined(__AVX2__)
-                    kp[nk] = (const uint8_t *) k_data;
-                    ku[nk++] = nu;
-#else
-                    iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
-                    iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
-#endif
-                } else {
-                    for (int t = 0; t < T; ++t) {
-                        kq_vec_dot(DK, &s[t], 0, k_data, 0, Q32[t], 0, 1);
+                    const char * k_data = (const char *) k->data + (ic*nbk1 + ik2*nbk2 + ik3*nbk3);
+                    const char * v_data = (const char *) v->data + (ic*nbv1 + iv2*nbv2 + iv3*nbv3);
+                    const int32_t xr = xrows && (!xuntil || qp <= xuntil[ik3*nek1 + ic]) ? xrows[ik3*nek1 + ic] : -1;
+                    float * s = raw[nu]; // rows t < T; packed keys' scores are written later, all lanes
+                    is_x[nu] = xr >= 0;
+                    if (xr >= 0 || !k_iso) {
+                        memset(s, 0, sizeof(raw[nu])); // the lanes of absent rows stay finite
                     }
-                }
-                if (xr < 0) {
-#if defined(__AVX2__)
-                    vp[nc++] = (const uint8_t *) v_data;
-#else
-                    iso_unpack(DV, v_data, vc[nc], vd[nc], v_bits, v_qk);
-                    nc++;
-#endif
-                }
-                mkv[nu++] = mk;
-            }
-            if (nu == 0) {
-                break;
-            }
-#if defined(__AVX2__)
-            if (nk > 0) {
-#if defined(RQ_HAVE_AVX512_FA)
-                if (vnni) {
-                    iso_score_rows_vnni(T, nk, DK, kp, ku, Q8, (const float (*)[RQ_FA_TILE]) SC,
-                                        (const int32_t (*)[RQ_FA_TILE]) BI, tab8, k_bits, raw);
-                } else
-#endif
-                iso_score_rows(T, nk, DK, kp, ku, QI, &Lk, k_bits, k_qk, raw);
-            }
-            // the block's online-softmax update with the tile's rows in the lanes: a key's scaled, biased scores, the
-            // block max, exps and sums of all rows at once; each lane's arithmetic is its row's alone, so a row's
-            // result does not depend on the tile it is in. The weights overwrite the scores in place, [key][row].
-            {
-                if (logit_softcap != 0.0f) {
-                    for (int u = 0; u < nu; ++u) {
+                    if (xr >= 0) {
+                        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) k_x->data + xr*k_x->nb[1]) + ik2*DK, kx, DK);
                         for (int t = 0; t < T; ++t) {
-                            raw[u][t] = logit_softcap*tanhf(raw[u][t]*scale);
+                            ggml_vec_dot_f32(DK, &s[t], 0, kx, 0, QR[t], 0, 1);
+                        }
+                        ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) v_x->data + xr*v_x->nb[1]) + iv2*DV, vx[nx++], DV);
+                    } else if (k_iso) {
+#if defined(__AVX2__)
+                        kp[nk] = (const uint8_t *) k_data;
+                        ku[nk++] = nu;
+#else
+                        iso_unpack(DK, k_data, kc, kd, k_bits, k_qk);
+                        iso_dot_rows(T, DK, kc, kd, Q32[0], Q32[1] - Q32[0], k_qk, s);
+#endif
+                    } else {
+                        for (int t = 0; t < T; ++t) {
+                            kq_vec_dot(DK, &s[t], 0, k_data, 0, Q32[t], 0, 1);
                         }
                     }
+                    if (xr < 0) {
+#if defined(__AVX2__)
+                        vp[nc++] = (const uint8_t *) v_data;
+#else
+                        iso_unpack(DV, v_data, vc[nc], vd[nc], v_bits, v_qk);
+                        nc++;
+#endif
+                    }
+                    mkv[nu++] = mk;
                 }
-                const __m256 vsc = _mm256_set1_ps(logit_softcap != 0.0f ? 1.0f : scale);
-                const __m256 vsl = _mm256_loadu_ps(slope);
-                __m256 bm = _mm256_set1_ps(-INFINITY);
+                if (nu == 0) {
+                    break;
+                }
+                nv += nu;
+#if defined(__AVX2__)
+                if (nk > 0) {
+#if defined(RQ_HAVE_AVX512_FA)
+                    if (vnni) {
+                        iso_score_rows_vnni(T, nk, DK, kp, ku, Q8, (const float (*)[RQ_FA_TILE]) SC,
+                                            (const int32_t (*)[RQ_FA_TILE]) BI, tab8, k_bits, raw);
+                    } else
+#endif
+                    iso_score_rows(T, nk, DK, kp, ku, QI, &Lk, k_bits, k_qk, raw);
+                }
+                // the block's online-softmax update with the tile's rows in the lanes: a key's scaled, biased scores, the
+                // block max, exps and sums of all rows at once; each lane's arithmetic is its row's alone, so a row's
+                // result does not depend on the tile it is in. The weights overwrite the scores in place, [key][row].
+                {
+                    if (logit_softcap != 0.0f) {
+                        for (int u = 0; u < nu; ++u) {
+                            for (int t = 0; t < T; ++t) {
+                                raw[u][t] = logit_softcap*tanhf(raw[u][t]*scale);
+                            }
+                        }
+                    }
+                    const __m256 vsc = _mm256_set1_ps(logit_softcap != 0.0f ? 1.0f : scale);
+                    const __m256 vsl = _mm256_loadu_ps(slope);
+                    __m256 bm = _mm256_set1_ps(-INFINITY);
+                    for (int u = 0; u < nu; ++u) {
+                        const __m256 x = _mm256_fmadd_ps(vsl, _mm256_set1_ps(mkv[u]), _mm256_mul_ps(_mm256_loadu_ps(raw[u]), vsc));
+                        _mm256_storeu_ps(raw[u], x);
+                        bm = _mm256_max_ps(bm, x);
+                    }
+                    float bmx[RQ_FA_TILE];
+                    _mm256_storeu_ps(bmx, bm);
+                    for (int t = 0; t < T; ++t) {
+                        if (bmx[t] > M[t]) {
+                            const float ms = expf(M[t] - bmx[t]); // 0 on the row's first block
+                            ggml_vec_scale_f32(DV, VKQ[t], ms);
+                            if (xrows) {
+                                ggml_vec_scale_f32(DV, VKX[t], ms);
+                            }
+                            S[t] *= ms;
+                            M[t] = bmx[t];
+                        }
+                    }
+                    const __m256 vm = _mm256_loadu_ps(M);
+                    __m256 vs = _mm256_setzero_ps();
+                    for (int u = 0; u < nu; ++u) {
+                        const __m256 e = iso_exp8(_mm256_sub_ps(_mm256_loadu_ps(raw[u]), vm));
+                        vs = _mm256_add_ps(vs, e);
+                        _mm256_storeu_ps(raw[u], e);
+                    }
+                    float sum[RQ_FA_TILE];
+                    _mm256_storeu_ps(sum, vs);
+                    for (int t = 0; t < T; ++t) {
+                        S[t] += sum[t];
+                    }
+                }
+                if (nx == 0) {
+                    iso_mad_rows_any(avx512, T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) raw, &Lv, tab16, v_bits, v_qk);
+                    continue;
+                }
+                for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
+                    if (is_x[u]) {
+                        for (int t = 0; t < T; ++t) {
+                            ggml_vec_mad_f32(DV, VKX[t], vx[jx], raw[u][t]);
+                        }
+                        jx++;
+                    } else {
+                        memcpy(wc[jc++], raw[u], sizeof(wc[0]));
+                    }
+                }
+                if (nc > 0) {
+                    iso_mad_rows_any(avx512, T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) wc, &Lv, tab16, v_bits, v_qk);
+                }
+#else
                 for (int u = 0; u < nu; ++u) {
-                    const __m256 x = _mm256_fmadd_ps(vsl, _mm256_set1_ps(mkv[u]), _mm256_mul_ps(_mm256_loadu_ps(raw[u]), vsc));
-                    _mm256_storeu_ps(raw[u], x);
-                    bm = _mm256_max_ps(bm, x);
+                    for (int t = 0; t < T; ++t) {
+                        float x = raw[u][t]*scale;
+                        if (logit_softcap != 0.0f) {
+                            x = logit_softcap*tanhf(x);
+                        }
+                        sc[t][u] = x + slope[t]*mkv[u];
+                    }
                 }
-                float bmx[RQ_FA_TILE];
-                _mm256_storeu_ps(bmx, bm);
                 for (int t = 0; t < T; ++t) {
-                    if (bmx[t] > M[t]) {
-                        const float ms = expf(M[t] - bmx[t]); // 0 on the row's first block
+                    float bmax = -INFINITY;
+                    for (int u = 0; u < nu; ++u) {
+                        bmax = MAX(bmax, sc[t][u]);
+                    }
+                    if (bmax > M[t]) {
+                        const float ms = expf(M[t] - bmax); // 0 on the row's first block
                         ggml_vec_scale_f32(DV, VKQ[t], ms);
                         if (xrows) {
                             ggml_vec_scale_f32(DV, VKX[t], ms);
                         }
                         S[t] *= ms;
-                        M[t] = bmx[t];
+                        M[t] = bmax;
                     }
+                    S[t] += (float) ggml_vec_soft_max_f32(nu, sc[t], sc[t], M[t]);
                 }
-                const __m256 vm = _mm256_loadu_ps(M);
-                __m256 vs = _mm256_setzero_ps();
-                for (int u = 0; u < nu; ++u) {
-                    const __m256 e = iso_exp8(_mm256_sub_ps(_mm256_loadu_ps(raw[u]), vm));
-                    vs = _mm256_add_ps(vs, e);
-                    _mm256_storeu_ps(raw[u], e);
+                if (nx == 0) {
+                    iso_mad_rows(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) sc, v_qk);
+                    continue;
                 }
-                float sum[RQ_FA_TILE];
-                _mm256_storeu_ps(sum, vs);
                 for (int t = 0; t < T; ++t) {
-                    S[t] += sum[t];
-                }
-            }
-            if (nx == 0) {
-                iso_mad_rows_any(avx512, T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) raw, &Lv, tab16, v_bits, v_qk);
-                continue;
-            }
-            for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
-                if (is_x[u]) {
-                    for (int t = 0; t < T; ++t) {
-                        ggml_vec_mad_f32(DV, VKX[t], vx[jx], raw[u][t]);
+                    for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
+                        if (is_x[u]) {
+                            wx[t][jx++] = sc[t][u];
+                        } else {
+                            wc[t][jc++] = sc[t][u];
+                        }
                     }
-                    jx++;
-                } else {
-                    memcpy(wc[jc++], raw[u], sizeof(wc[0]));
-                }
-            }
-            if (nc > 0) {
-                iso_mad_rows_any(avx512, T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vp, (const float (*)[RQ_FA_TILE]) wc, &Lv, tab16, v_bits, v_qk);
-            }
-#else
-            for (int u = 0; u < nu; ++u) {
-                for (int t = 0; t < T; ++t) {
-                    float x = raw[u][t]*scale;
-                    if (logit_softcap != 0.0f) {
-                        x = logit_softcap*tanhf(x);
-                    }
-                    sc[t][u] = x + slope[t]*mkv[u];
-                }
-            }
-            for (int t = 0; t < T; ++t) {
-                float bmax = -INFINITY;
-                for (int u = 0; u < nu; ++u) {
-                    bmax = MAX(bmax, sc[t][u]);
-                }
-                if (bmax > M[t]) {
-                    const float ms = expf(M[t] - bmax); // 0 on the row's first block
-                    ggml_vec_scale_f32(DV, VKQ[t], ms);
-                    if (xrows) {
-                        ggml_vec_scale_f32(DV, VKX[t], ms);
-                    }
-                    S[t] *= ms;
-                    M[t] = bmax;
-                }
-                S[t] += (float) ggml_vec_soft_max_f32(nu, sc[t], sc[t], M[t]);
-            }
-            if (nx == 0) {
-                iso_mad_rows(T, nu, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) sc, v_qk);
-                continue;
-            }
-            for (int t = 0; t < T; ++t) {
-                for (int u = 0, jc = 0, jx = 0; u < nu; ++u) {
-                    if (is_x[u]) {
-                        wx[t][jx++] = sc[t][u];
-                    } else {
-                        wc[t][jc++] = sc[t][u];
+                    for (int j = 0; j < nx; ++j) {
+                        ggml_vec_mad_f32(DV, VKX[t], vx[j], wx[t][j]);
                     }
                 }
-                for (int j = 0; j < nx; ++j) {
-                    ggml_vec_mad_f32(DV, VKX[t], vx[j], wx[t][j]);
+                if (nc > 0) {
+                    iso_mad_rows(T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) wc, v_qk);
                 }
-            }
-            if (nc > 0) {
-                iso_mad_rows(T, nc, DV, VKQ[0], VKQ[1] - VKQ[0], vc[0], vd[0], (const float (*)[RQ_FA_KB]) wc, v_qk);
-            }
 #endif
+            }
+
+            for (int t = 0; t < T; ++t) {
+                if (part) {
+                    float * r = part + (ch*T + t)*rec;
+                    r[0] = M[t];
+                    r[1] = S[t];
+                    memcpy(r + 2, VKQ[t], DV*sizeof(float));
+                    if (xrows) {
+                        memcpy(r + 2 + DV, VKX[t], DV*sizeof(float));
+                    }
+                } else {
+                    iso_fa_fold(DV, xrows, &Mt[t], &St[t], VKQt[t], VKXt[t], M[t], S[t], VKQ[t], VKX[t]);
+                }
+            }
         }
 
-        for (int t = 0; t < T; ++t) {
-            ggml_rq_iso_unrotate_qk(DV, VKQ[t], v_qk);
-            if (xrows) {
-                ggml_vec_acc_f32(DV, VKQ[t], VKX[t]);
-            }
-            if (sinks) {
-                const float s = ((const float *) sinks->data)[row[t][1]];
-                float ms = 1.0f;
-                float vs = 1.0f;
-                if (s > M[t]) {
-                    ms = expf(M[t] - s);
-                    M[t] = s;
-                    ggml_vec_scale_f32(DV, VKQ[t], ms);
-                } else {
-                    vs = expf(s - M[t]);
-                }
-                S[t] = S[t]*ms + vs;
-            }
-            const float S_inv = S[t] == 0.0f ? 0.0f : 1.0f/S[t];
-            ggml_vec_scale_f32(DV, VKQ[t], S_inv);
-            // permute(0, 2, 1, 3)
-            memcpy((char *) dst->data + (row[t][2]*ne2*ne1 + row[t][1] + row[t][0]*ne1)*nb1, VKQ[t], nb1);
+        for (int t = 0; t < T && !part; ++t) {
+            iso_fa_finish(dst, row[t], DV, v_qk, Mt[t], St[t], VKQt[t], xrows ? VKXt[t] : NULL);
         }
         ir += T;
     }
     GGML_UNUSED(params);
+}
+
+void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
+    iso_fa_rows(params, dst, ir0, ir1, 0, INT64_MAX, 0, NULL);
+}
+
+bool ggml_rq_fa_iso_split(const struct ggml_compute_params * params, struct ggml_tensor * dst) {
+    const struct ggml_tensor * q    = dst->src[0];
+    const struct ggml_tensor * k    = dst->src[1];
+    const struct ggml_tensor * v    = dst->src[2];
+    const struct ggml_tensor * mask = dst->src[3];
+    const int ith = params->ith;
+    const int nth = params->nth;
+    if (nth < 2 || q->ne[1] != 1 || q->ne[3] != 1 || (mask && mask->ne[2] != 1) || !ggml_rq_cpu_get_split()) {
+        return false; // one token of one sequence, one mask row for all heads
+    }
+    // the tiles iso_fa_rows makes of the heads: a K/V head's query heads, at most RQ_FA_TILE
+    const int64_t nh = q->ne[2], rk2 = nh/k->ne[2], rv2 = nh/v->ne[2];
+    int64_t tile[RQ_FA_TILE + 1];
+    int nt = 0;
+    for (int64_t r = 0; r < nh; ++r) {
+        if (nt == 0 || r - tile[nt - 1] == RQ_FA_TILE || r/rk2 != tile[nt - 1]/rk2 || r/rv2 != tile[nt - 1]/rv2) {
+            if (nt == RQ_FA_TILE || nt + 1 >= nth) {
+                return false; // enough tiles for every thread: iso_fa_rows over the rows
+            }
+            tile[nt++] = r;
+        }
+    }
+    tile[nt] = nh;
+    // the row's visible keys, and the threads per tile: each takes a run of its chunks
+    const int64_t nek1 = k->ne[1];
+    const ggml_fp16_t * mp = mask ? (const ggml_fp16_t *) mask->data : NULL;
+    int64_t nvis = nek1;
+    if (mp) {
+        nvis = 0;
+        for (int64_t ic = 0; ic < nek1; ++ic) {
+            nvis += GGML_CPU_FP16_TO_FP32(mp[ic]) != -INFINITY;
+        }
+    }
+    const int64_t nch = (nvis + RQ_FA_CHUNK - 1)/RQ_FA_CHUNK;
+    const int64_t DV  = v->ne[0];
+    const int64_t rec = 2 + DV + (dst->src[7] ? DV : 0);
+    const int64_t np  = MIN(nth/nt, nch);
+    if (np < 2 || (size_t) (nt*nch*RQ_FA_TILE*rec)*sizeof(float) > params->wsize) {
+        return false;
+    }
+    if (ith == 0) {
+        ggml_rq_counter_add(GGML_RQ_ISO_SPLIT_CALLS, 1);
+    }
+    float * part = (float *) params->wdata;
+    const int j = ith/np, p = ith % np;
+    if (j < nt) {
+        const int64_t c0 = p*nch/np, c1 = (p + 1)*nch/np;
+        int64_t ic0 = 0;
+        for (int64_t nv = 0; mp && nv < c0*RQ_FA_CHUNK; ++ic0) {
+            nv += GGML_CPU_FP16_TO_FP32(mp[ic0]) != -INFINITY;
+        }
+        if (!mp) {
+            ic0 = c0*RQ_FA_CHUNK;
+        }
+        iso_fa_rows(params, dst, tile[j], tile[j + 1], c0, c1, ic0, part + j*nch*RQ_FA_TILE*rec);
+    }
+    ggml_barrier(params->threadpool);
+    // each tile's chunks folded in order, as iso_fa_rows folds them: the same bits as without the split
+    if (ith < nt) {
+        const float * pt = part + ith*nch*RQ_FA_TILE*rec;
+        const int T = (int) (tile[ith + 1] - tile[ith]);
+        float vkq[DV], vkx[DV];
+        for (int t = 0; t < T; ++t) {
+            float m = -INFINITY, s = 0.0f;
+            memset(vkq, 0, sizeof(vkq));
+            memset(vkx, 0, sizeof(vkx));
+            for (int64_t ch = 0; ch < nch; ++ch) {
+                const float * r = pt + (ch*T + t)*rec;
+                iso_fa_fold(DV, rec > 2 + DV, &m, &s, vkq, vkx, r[0], r[1], r + 2, r + 2 + DV);
+            }
+            const int64_t row[3] = { 0, tile[ith] + t, 0 };
+            iso_fa_finish(dst, row, DV, ggml_rq_iso_qk(v->type), m, s, vkq, rec > 2 + DV ? vkx : NULL);
+        }
+    }
+    return true;
 }
 
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref) {

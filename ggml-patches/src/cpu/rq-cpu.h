@@ -49,6 +49,10 @@ struct ggml_compute_params;
 // inner, so each packed K/V row is unpacked once for all query rows of its head (GQA heads, prompt
 // tokens). Per row, the operations and their order do not depend on the grouping: batch-invariant.
 void ggml_rq_fa_iso_rows(const struct ggml_compute_params * params, struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
+// Single-token decode with fewer tiles (K/V heads) than threads: the threads split each tile's visible keys in
+// chunks of a fixed count and fold the chunks in order, the same bits as ggml_rq_fa_iso_rows. Called by every
+// thread; false (no thread did anything) where it does not apply.
+bool ggml_rq_fa_iso_split(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 // counts flash-attention ops that touch IsoQuant K/V (fused vs reference path)
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);
