@@ -55,5 +55,9 @@ void main() {
     [[unroll]] for (uint i = 0; i < QK; ++i) {
         x[i] = A_LOAD(src + i);
     }
-    data_d[dst] = iso_quantize(x);
+    // The WHT scale as a value the compiler cannot know (p.ne is a multiple of QK, never 2^32-1): lavapipe folded the
+    // constant into the constant SO(4) entries that multiply it next, `precise` or not, which moved a rotated value by
+    // an ulp and flipped its index wherever it lay that close to a bound (~1e-7 of values; test-rq-vulkan's sweep).
+    const float wht_scale = uintBitsToFloat(floatBitsToUint(ISO_WHT_SCALE) | uint(p.ne == 0xffffffffu));
+    data_d[dst] = iso_quantize(x, wht_scale);
 }

@@ -66,7 +66,7 @@ void iso_blocks(inout float v[QK], const bool transpose) {
 }
 
 // ggml_rq_wht: butterflies in the reference's order, then the scale
-void iso_wht(inout float v[QK]) {
+void iso_wht(inout float v[QK], const float scale) {
     for (uint h = 1; h < QK; h <<= 1) {
         for (uint i = 0; i < QK; i += 2*h) {
             for (uint j = i; j < i + h; ++j) {
@@ -80,23 +80,23 @@ void iso_wht(inout float v[QK]) {
         }
     }
     [[unroll]] for (uint i = 0; i < QK; ++i) {
-        precise float s = v[i] * ISO_WHT_SCALE;
+        precise float s = v[i] * scale;
         v[i] = s;
     }
 }
 
 // R = SO4 . WHT . diag(S) and its inverse (variant v3, the type as designed)
-void iso_rotate(inout float v[QK]) {
+void iso_rotate(inout float v[QK], const float wht_scale) {
     [[unroll]] for (uint i = 0; i < QK; ++i) {
         v[i] *= iq3_signs[i];
     }
-    iso_wht(v);
+    iso_wht(v, wht_scale);
     iso_blocks(v, false);
 }
 
 void iso_rotate_inv(inout float v[QK]) {
     iso_blocks(v, true);
-    iso_wht(v);
+    iso_wht(v, ISO_WHT_SCALE);
     [[unroll]] for (uint i = 0; i < QK; ++i) {
         v[i] *= iq3_signs[i];
     }
@@ -129,14 +129,15 @@ double iso_tree_sumsq(const float x[QK]) {
     return a[0];
 }
 
-// quantize_row_isoquant*_ref for one block
-block_iso iso_quantize(const float x[QK]) {
+// quantize_row_isoquant*_ref for one block; wht_scale is ISO_WHT_SCALE, handed in as a value the compiler cannot fold
+// (iso_quant.comp says why)
+block_iso iso_quantize(const float x[QK], const float wht_scale) {
     const double sd = sqrt(iso_tree_sumsq(x));
     float v[QK];
     [[unroll]] for (uint i = 0; i < QK; ++i) {
         v[i] = sd > 0.0lf ? float(double(x[i]) / sd) : 0.0;
     }
-    iso_rotate(v);
+    iso_rotate(v, wht_scale);
 
     block_iso b;
     uint q[ISO_NQ16];
