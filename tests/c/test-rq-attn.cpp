@@ -356,7 +356,7 @@ int main() {
 
     // the AVX-512 kernels (VNNI scoring of ISOQUANT3_0/4_0 keys, bf16 V pairs; where the CPU has them) against their
     // twin, attention in double with each query row rounded to int8 per 128-value block in the rotated domain, K decoded
-    // with the int8 codebook and V with the bf16 one: the roundings the kernels make (rq-cpu.c: iso_q8_tile, iso_cb_u8,
+    // with the int8 codebook (outer level 113 or 112, not 127: iso_cb_u8) and V with the bf16 one: the roundings the kernels make (rq-cpu.c: iso_q8_tile, iso_cb_u8,
     // iso_cb_bf16) but the bf16 rounding of each key's weight (2^-9 relative), so within 5e-3 (the unfused F16 twin's
     // bound; measured ~1.5e-3). Tile heights 1..8 and a split tile (12 heads over 1), partial blocks of keys and an odd
     // key, masked holes, exact rows; a row alone gives the bits it gives in company.
@@ -422,7 +422,18 @@ int main() {
                 }
                 return y;
             };
-            std::vector<float> kt = decode(k, [](float c, float m) { return (m/127.0f)*roundf(c*127.0f/m); });
+            // the int8 levels: round(c L/cmax) with the outer level L <= 127 that moves the levels least (sum of squares)
+            static float L8 = 0.0f;
+            double emin = INFINITY;
+            for (int L = 127; L >= 64; --L) {
+                double e = 0.0;
+                for (int l = 0; l < (1 << bits); ++l) {
+                    const double d = (double) (cmax/L)*roundf(cb[l]*L/cmax) - cb[l];
+                    e += d*d;
+                }
+                if (e < emin) { emin = e; L8 = (float) L; }
+            }
+            std::vector<float> kt = decode(k, [](float c, float m) { return (m/L8)*roundf(c*L8/m); });
             std::vector<float> vt = decode(v, [](float c, float) { return ggml_bf16_to_fp32(ggml_fp32_to_bf16(c)); });
             std::vector<float> kf = roundtrip(k, hs, it), vf = roundtrip(v, hs, it);
             // the exact cells: F16 rows in both twins
