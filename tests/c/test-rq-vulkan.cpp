@@ -69,6 +69,17 @@ static std::vector<uint8_t> run(ggml_backend_t backend, const std::function<ggml
     return bytes;
 }
 
+// CPY F32 -> t of n rows of ne0 floats on the device: the packed bytes
+static std::vector<uint8_t> cpy_quantise(ggml_backend_t vk, ggml_type t, const std::vector<float> & x, int64_t ne0, int64_t n) {
+    return run(vk, [&](ggml_context * ctx) {
+        ggml_tensor * src = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, ne0, n);
+        ggml_set_name(src, "src");
+        return ggml_cpy(ctx, src, ggml_new_tensor_2d(ctx, t, ne0, n));
+    }, [&](ggml_context * ctx) {
+        ggml_backend_tensor_set(ggml_get_tensor(ctx, "src"), x.data(), 0, x.size()*sizeof(float));
+    });
+}
+
 static void test_quantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) {
     const int64_t qk = ggml_blck_size(t), ne0 = 2*qk, n = 12, n_dst = 16;
     const std::vector<float> x = make_rows(ne0, n, rng);
@@ -117,13 +128,7 @@ static void test_quantise(ggml_backend_t vk, ggml_type t, std::mt19937 & rng) {
     // CPY F32 -> ISO: the whole tensor in element order
     std::vector<uint8_t> want_cpy(rs*n);
     ggml_quantize_chunk(t, x.data(), want_cpy.data(), 0, n, ne0, nullptr);
-    const auto got = run(vk, [&](ggml_context * ctx) {
-        ggml_tensor * src = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, ne0, n);
-        ggml_set_name(src, "src");
-        return ggml_cpy(ctx, src, ggml_new_tensor_2d(ctx, t, ne0, n));
-    }, [&](ggml_context * ctx) {
-        ggml_backend_tensor_set(ggml_get_tensor(ctx, "src"), x.data(), 0, x.size()*sizeof(float));
-    });
+    const auto got = cpy_quantise(vk, t, x, ne0, n);
     CHECK(got == want_cpy, "CPY F32 -> %s differs from the reference quantiser", ggml_type_name(t));
 }
 
@@ -153,13 +158,7 @@ static void test_quantise_sweep(ggml_backend_t vk, ggml_type t, std::mt19937 & r
     }
     std::vector<uint8_t> want(ggml_row_size(t, ne0)*n);
     ggml_quantize_chunk(t, x.data(), want.data(), 0, n, ne0, nullptr);
-    const auto got = run(vk, [&](ggml_context * ctx) {
-        ggml_tensor * src = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, ne0, n);
-        ggml_set_name(src, "src");
-        return ggml_cpy(ctx, src, ggml_new_tensor_2d(ctx, t, ne0, n));
-    }, [&](ggml_context * ctx) {
-        ggml_backend_tensor_set(ggml_get_tensor(ctx, "src"), x.data(), 0, x.size()*sizeof(float));
-    });
+    const auto got = cpy_quantise(vk, t, x, ne0, n);
     const size_t bs = ggml_type_size(t), nblk = want.size()/bs;
     size_t bad = 0;
     for (size_t b = 0; b < nblk; ++b) {
