@@ -15,6 +15,7 @@
 
 #include <assert.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <string.h>
 
 #if defined(__AVX2__)
@@ -530,18 +531,17 @@ static void iso_mad_rows_packed(int T, int nu, int n, float * GGML_RESTRICT vkq,
 // scale. The outer level L <= 127 is the one whose rounding moves the levels least: 3-bit, L = 113 gives 13/40/71/113,
 // 0.11% rms off the codebook where L = 127 is 0.37% (its inner level 14.6 -> 15 alone 3%); that rounding is a fixed
 // error of every key's score, as large as the int8 query's (numpy, 2026-12-04). 4-bit: L = 112, 0.29% vs 0.30%.
-static float iso_cb_u8(int bits, uint8_t tab[64]) {
-    const float * cb = ggml_rq_iso_codebook_qk(bits, QK_ISO);
-    const int     nl = 1 << bits;
-    float cmax = 0.0f;
-    for (int l = 0; l < nl; ++l) {
-        cmax = MAX(cmax, fabsf(cb[l]));
+// Found once per width: the search is 64 x 16 roundings, and this runs per thread and op.
+static int iso_cb_top(int bits, const float * cb, float cmax) {
+    static _Atomic int found[5]; // by bits; 0: not yet (any thread may store the same value)
+    int top = atomic_load_explicit(&found[bits], memory_order_relaxed);
+    if (top != 0) {
+        return top;
     }
-    int    top  = 127;
     double emin = INFINITY;
     for (int L = 127; L >= 64; --L) {
         double e = 0.0;
-        for (int l = 0; l < nl; ++l) {
+        for (int l = 0; l < (1 << bits); ++l) {
             const double d = (double) roundf(cb[l]*(float) L/cmax)*(double) cmax/L - (double) cb[l];
             e += d*d;
         }
@@ -550,6 +550,18 @@ static float iso_cb_u8(int bits, uint8_t tab[64]) {
             top  = L;
         }
     }
+    atomic_store_explicit(&found[bits], top, memory_order_relaxed);
+    return top;
+}
+
+static float iso_cb_u8(int bits, uint8_t tab[64]) {
+    const float * cb = ggml_rq_iso_codebook_qk(bits, QK_ISO);
+    const int     nl = 1 << bits;
+    float cmax = 0.0f;
+    for (int l = 0; l < nl; ++l) {
+        cmax = MAX(cmax, fabsf(cb[l]));
+    }
+    const int top = iso_cb_top(bits, cb, cmax);
     for (int i = 0; i < 64; ++i) {
         tab[i] = (uint8_t) (roundf(cb[i % nl]*(float) top/cmax) + 128.0f);
     }
