@@ -1,7 +1,8 @@
 // One decode step's attention at a model's shape, timed: the fused IsoQuant kernel with and without exact rows (the
 // default 16-position window), its AVX-512 kernels against the float ones, with and without the threads splitting a
 // head's keys (fewer K/V heads than threads), beside upstream's F16 kernel, with 1 and 2 threads. A benchmark, not a test: it checks
-// nothing but prints a table (docs/results/fa-decode-kernel.md). test-backend-ops perf covers the op without exact
+// nothing but prints a table (docs/results/fa-decode-kernel.md). Rows marked "sharp" scale the query 30x: scores of std
+// ~30 (sharp attention, as models have at long contexts), where most keys' exps would underflow. test-backend-ops perf covers the op without exact
 // rows and on half the hardware threads only; llama-bench times the whole step.
 //
 // A rep computes one graph of `layers` such ops, each over its own K/V (as a decode step's layers are), so that with
@@ -30,6 +31,9 @@ struct cfg {
                          // and viewed per head; otherwise each head's cells contiguous
     bool         avx2;   // the float kernels even where the CPU has the AVX-512 ones (ggml_rq_cpu_set_avx512(false))
     bool         rows;   // threads split the heads' rows only, not a head's keys (ggml_rq_cpu_set_split(false))
+    float        qscale; // the query's scale: 1 gives scores of std ~1; 30, scores of std ~30, most keys far below the
+                         // row's max (sharp attention, where an exp that underflows to a denormal costs a microcode
+                         // assist unless flushed)
 };
 
 // a graph of `layers` FLASH_ATTN_EXT ops, each over its own K/V, in its own context
@@ -54,7 +58,7 @@ static ggml_cgraph * build(const cfg & c, int n_kv, int n_head, int n_head_kv, i
     ggml_cgraph * gf = ggml_new_graph(ctx);
     for (int l = 0; l < layers; ++l) {
         ggml_tensor * q = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, hs, 1, n_head);
-        for (int64_t i = 0; i < ggml_nelements(q); ++i) ((float *) q->data)[i] = nd(rng);
+        for (int64_t i = 0; i < ggml_nelements(q); ++i) ((float *) q->data)[i] = c.qscale*nd(rng);
         ggml_tensor * k = make();
         ggml_tensor * v = make();
         ggml_tensor * m = ggml_new_tensor_2d(ctx, GGML_TYPE_F16, n_kv, 1);
@@ -97,13 +101,15 @@ int main(int argc, char ** argv) {
         return 1;
     }
     const cfg cfgs[] = {
-        { "f16, cache layout",                        GGML_TYPE_F16,         0,  true,  false, false },
-        { "isoquant3_0, heads contiguous",            GGML_TYPE_ISOQUANT3_0, 0,  false, false, false },
-        { "isoquant3_0, cache layout, float",         GGML_TYPE_ISOQUANT3_0, 0,  true,  true,  false },
-        { "isoquant3_0, cache layout",                GGML_TYPE_ISOQUANT3_0, 0,  true,  false, false },
-        { "isoquant3_0 w16, cache layout, float",     GGML_TYPE_ISOQUANT3_0, 16, true,  true,  false },
-        { "isoquant3_0 w16, cache layout",            GGML_TYPE_ISOQUANT3_0, 16, true,  false, false },
-        { "isoquant3_0 w16, cache layout, rows only", GGML_TYPE_ISOQUANT3_0, 16, true,  false, true  },
+        { "f16, cache layout",                        GGML_TYPE_F16,         0,  true,  false, false, 1.0f  },
+        { "isoquant3_0, heads contiguous",            GGML_TYPE_ISOQUANT3_0, 0,  false, false, false, 1.0f  },
+        { "isoquant3_0, cache layout, float",         GGML_TYPE_ISOQUANT3_0, 0,  true,  true,  false, 1.0f  },
+        { "isoquant3_0, cache layout",                GGML_TYPE_ISOQUANT3_0, 0,  true,  false, false, 1.0f  },
+        { "isoquant3_0 w16, cache layout, float",     GGML_TYPE_ISOQUANT3_0, 16, true,  true,  false, 1.0f  },
+        { "isoquant3_0 w16, cache layout",            GGML_TYPE_ISOQUANT3_0, 16, true,  false, false, 1.0f  },
+        { "isoquant3_0 w16, cache layout, rows only", GGML_TYPE_ISOQUANT3_0, 16, true,  false, true,  1.0f  },
+        { "isoquant3_0 w16, cache layout, float, sharp", GGML_TYPE_ISOQUANT3_0, 16, true, true,  false, 30.0f },
+        { "isoquant3_0 w16, cache layout, sharp",     GGML_TYPE_ISOQUANT3_0, 16, true,  false, false, 30.0f },
     };
     printf("FLASH_ATTN_EXT, one query token, head size 128, %d query heads over %d KV heads, %d cells; %d reps of "
            "%d ops, each over its own K/V, configurations interleaved; ms per op\n\n", n_head, n_head_kv, n_kv, reps, layers);

@@ -360,6 +360,9 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 // single-token decode can hand a tile's chunks to several threads (ggml_rq_fa_iso_split) with the same bits.
 #define RQ_FA_CHUNK 1024
 
+// the online softmax's flush-to-zero threshold (iso_exp8_ftz)
+#define RQ_FA_FTZ (-80.0f)
+
 #if defined(__AVX2__)
 // 8 vectors -> their 8 horizontal sums, in order
 static inline __m256 iso_hsum8(const __m256 a[8]) {
@@ -381,6 +384,22 @@ static inline __m256 iso_exp8(__m256 x) {
     return _mm256_loadu_ps(v);
 }
 #endif
+
+// exps of scores less the row's max, 0 for those below RQ_FA_FTZ. Such a key weighs under 2^-115 next to the max's
+// 1, far under any float sum's resolution, but its exp (and its products with V) would be a denormal, and x86 takes
+// a microcode assist for each one: with sharp scores (most keys > 87 below the max, as at Qwen2.5's 32K) that doubled
+// the op's time. Upstream's CUDA FA flushes the same way, from -20 (SOFTMAX_FTZ_THRESHOLD). NaN stays NaN.
+static inline __m256 iso_exp8_ftz(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(RQ_FA_FTZ);
+    return _mm256_and_ps(iso_exp8(_mm256_max_ps(lo, x)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
+}
+#endif // __AVX2__
+
+static inline float iso_expf_ftz(float x) {
+    return x < RQ_FA_FTZ ? 0.0f : expf(x);
+}
+
+#if defined(__AVX2__)
 
 // the query tile for packed keys, interleaved: group g's 8 values of row t at qi[(g*RQ_FA_TILE + t)*8], so every row
 // of a group is a constant offset from one pointer (strided rows cost a register each and spilled at 6 rows)
@@ -830,8 +849,8 @@ static void iso_fa_fold(int64_t n, bool x, float * m, float * s, float * vkq, fl
         return; // no visible key in the chunk
     }
     const float mx = MAX(*m, mc);
-    const float a  = expf(*m - mx); // 0 for the first chunk: the total becomes the chunk's, exactly
-    const float b  = expf(mc - mx);
+    const float a  = iso_expf_ftz(*m - mx); // 0 for the first chunk: the total becomes the chunk's, exactly
+    const float b  = iso_expf_ftz(mc - mx);
     ggml_vec_scale_f32(n, vkq, a);
     ggml_vec_mad_f32(n, vkq, vkqc, b);
     if (x) {
@@ -1132,7 +1151,7 @@ static void iso_fa_rows(const struct ggml_compute_params * params, struct ggml_t
                     _mm256_storeu_ps(bmx, bm);
                     for (int t = 0; t < T; ++t) {
                         if (bmx[t] > M[t]) {
-                            const float ms = expf(M[t] - bmx[t]); // 0 on the row's first block
+                            const float ms = iso_expf_ftz(M[t] - bmx[t]); // 0 on the row's first block
                             ggml_vec_scale_f32(DV, VKQ[t], ms);
                             if (xrows) {
                                 ggml_vec_scale_f32(DV, VKX[t], ms);
@@ -1144,7 +1163,7 @@ static void iso_fa_rows(const struct ggml_compute_params * params, struct ggml_t
                     const __m256 vm = _mm256_loadu_ps(M);
                     __m256 vs = _mm256_setzero_ps();
                     for (int u = 0; u < nu; ++u) {
-                        const __m256 e = iso_exp8(_mm256_sub_ps(_mm256_loadu_ps(raw[u]), vm));
+                        const __m256 e = iso_exp8_ftz(_mm256_sub_ps(_mm256_loadu_ps(raw[u]), vm));
                         vs = _mm256_add_ps(vs, e);
                         _mm256_storeu_ps(raw[u], e);
                     }
@@ -1187,7 +1206,7 @@ static void iso_fa_rows(const struct ggml_compute_params * params, struct ggml_t
                         bmax = MAX(bmax, sc[t][u]);
                     }
                     if (bmax > M[t]) {
-                        const float ms = expf(M[t] - bmax); // 0 on the row's first block
+                        const float ms = iso_expf_ftz(M[t] - bmax); // 0 on the row's first block
                         ggml_vec_scale_f32(DV, VKQ[t], ms);
                         if (xrows) {
                             ggml_vec_scale_f32(DV, VKX[t], ms);
