@@ -46,11 +46,15 @@ def _last(llm) -> np.ndarray:
     return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),)).copy()
 
 
-def _run(model, t: str, prompt: list[int], steps: list[int], stats: dict | None = None, **kw) -> np.ndarray:
+def _run(model, t: str, prompt: list[int], steps: list[int], stats: dict | None = None,
+         prompt_counters: dict | None = None, **kw) -> np.ndarray:
     """Logits after the prompt (one eval, chunked into ubatches of 128), then after each decode step; stats gets
-    the context's deferred-prefill counters at the end."""
+    the context's deferred-prefill counters at the end, prompt_counters the kernel counters of the prompt."""
     llm = _llm(model, t, **kw)
+    bindings.reset_counters()
     llm.eval(prompt)
+    if prompt_counters is not None:
+        prompt_counters.update(bindings.counters())
     out = [_last(llm)]
     for tok in steps:
         llm.eval([tok])
@@ -73,7 +77,8 @@ def test_prompt_sees_only_f16_and_decode_sees_the_cache(request, model_name, cac
     f16 = _run(model, "f16", prompt, steps)
     plain = _run(model, cache, prompt, steps)
     c: dict = {}
-    dfr = _run(model, cache, prompt, steps, stats=c, kv_deferred=True)
+    pc: dict = {}
+    dfr = _run(model, cache, prompt, steps, stats=c, prompt_counters=pc, kv_deferred=True)
 
     assert not np.array_equal(plain[0], f16[0])  # without deferral the prompt reads the quantised cache
     assert np.array_equal(dfr[0], f16[0])  # 300 tokens in 3 ubatches: each chunk saw the earlier ones exactly
@@ -81,6 +86,9 @@ def test_prompt_sees_only_f16_and_decode_sees_the_cache(request, model_name, cac
     assert c["kv_deferred_conversions"] == (2 if model_name == "gemma3" else 1)  # one per cache
     assert c["kv_deferred_cells"] == c["kv_deferred_conversions"] * len(prompt)
     assert c["kv_deferred_bytes"] == 0  # all given back at the first decode step
+    if cache.startswith("isoquant"):
+        # one prompt in a fresh cache attends the transient in place: no cell of the cache is dequantised
+        assert pc["iso_dequant_rows"] == 0 and pc["iso_quant_rows"] > 0, pc
     if model_name == "smol_cal":  # 30 layers, 3 KV heads of 64
         assert c["kv_deferred_peak_bytes"] == len(prompt) * _row_bytes(30, 192)
 
@@ -148,7 +156,11 @@ def test_decode_and_prompt_in_one_batch(gemma3):
         c.close()
         return out
 
+    bindings.reset_counters()
     dfr_a, dfr_b = both("isoquant3_0")
+    # sequence 0's cells hold no rows when sequence 1's prompt runs: it attends the dequantised cache with its own
+    # rows patched in (not the transient in place), and is still exact
+    assert bindings.counters()["iso_dequant_rows"] > 0
     _, f16_b = both("f16")
 
     alone = _Ctx(gemma3, "isoquant3_0")

@@ -1217,6 +1217,7 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
     dfr_w.clear();
     dfr_rows.clear();
     dfr_cells.clear();
+    dfr_in_place = false;
     if (dfr_budget == 0) {
         return false;
     }
@@ -1282,10 +1283,40 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
         return false;
     }
 
-    rq_rows_in_view(dfr_cell_of_row, kv_size, sinfo, kv.get_n_kv(sinfo), [&](uint32_t r, int64_t j) {
+    const uint32_t n_kv = kv.get_n_kv(sinfo);
+    rq_rows_in_view(dfr_cell_of_row, kv_size, sinfo, n_kv, [&](uint32_t r, int64_t j) {
         dfr_rows.push_back(r);
         dfr_cells.push_back(j);
     });
+
+    // One prompt in a fresh cache (the common case) takes rows in cell order, so each attended cell is its own row
+    // or an empty cell over a free row. The ubatch then attends the transient in place (build_attn): no dequantised
+    // copy of the cache, which on a small model cost ~10% of a long prefill. Free rows in view are zeroed: their
+    // cells are masked, but old contents could hold a non-finite value, and 0 * inf is NaN in a kernel that
+    // multiplies masked weights instead of skipping them.
+    dfr_in_place = sinfo.s0 == sinfo.s1 && n_kv <= dfr_budget;
+    const int64_t c0 = (int64_t) sinfo.s0*kv_size;
+    for (uint32_t j = 0; j < n_kv && dfr_in_place; ++j) {
+        const int32_t r = dfr_row_of_cell[c0 + j];
+        dfr_in_place = r == (int32_t) j || (r < 0 && dfr_cell_of_row[j] < 0 && kv.v_cells[sinfo.s0].is_empty(j));
+    }
+    for (uint32_t j = 0; j < n_kv && dfr_in_place; ) {
+        uint32_t e = j;
+        while (e < n_kv && dfr_cell_of_row[e] < 0) {
+            ++e;
+        }
+        for (ggml_tensor * t : k_dfr) {
+            if (t && e > j) {
+                ggml_backend_tensor_memset(t, 0, j*t->nb[1], (e - j)*t->nb[1]);
+            }
+        }
+        for (ggml_tensor * t : v_dfr) {
+            if (t && e > j) {
+                ggml_backend_tensor_memset(t, 0, j*t->nb[1], (e - j)*t->nb[1]);
+            }
+        }
+        j = e + 1;
+    }
 
     return true;
 }
@@ -1416,9 +1447,13 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context *
         ggml_build_forward_expand(gf, x);
         return x;
     };
-    // the attention's inputs join the graph here too: it may already hold the attention when they are attached
+    // the attention's inputs join the graph here too: it may already hold the attention when they are attached.
+    // Only then: as leaves no node reads, ggml-alloc would not check their sizes when it reuses the last graph's
+    // layout, and a larger n_kv would overlap them with the inputs after them
     for (ggml_tensor * t : { inp.win_rows, inp.win_until, inp.win_qpos }) {
-        ggml_build_forward_expand(gf, t);
+        if (attend) {
+            ggml_build_forward_expand(gf, t);
+        }
     }
     return { write(k_win[ikv], k_cur), write(v_win[ikv], v_cur) };
 }
@@ -1436,6 +1471,11 @@ void llama_kv_rq::build_attn(ggml_context * ctx, ggml_cgraph * gf, const llama_r
             raw = ggml_is_contiguous(raw) ? raw : ggml_cont(ctx, raw);
             src = ggml_set_rows(ctx, dfr, ggml_reshape_2d(ctx, raw, n_embd_gqa, ggml_nelements(raw)/n_embd_gqa), inp.w_rows);
             ggml_build_forward_expand(gf, src);
+        }
+        if (dfr_in_place) {
+            GGML_ASSERT(view->ne[2] == (int64_t) n_kv && view->ne[3] == 1 && view->ne[0]*view->ne[1] == n_embd_gqa);
+            return ggml_view_4d(ctx, src, view->ne[0], view->ne[1], n_kv, 1, ggml_row_size(src->type, view->ne[0]),
+                                src->nb[1], src->nb[1]*n_kv, 0);
         }
         ggml_tensor * x = rot || (is_k && kc[ikv].k_scale) ? ggml_cast(ctx, to_model_basis(ctx, view, rot, il, is_k), GGML_TYPE_F16)
                                                            : ggml_cast(ctx, view, GGML_TYPE_F16);

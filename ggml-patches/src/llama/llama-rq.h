@@ -168,6 +168,7 @@ private:
     std::vector<int64_t> dfr_w;     // [n_tokens] transient row of each token
     std::vector<int32_t> dfr_rows;  // transient rows visible to the ubatch
     std::vector<int64_t> dfr_cells; // ... and their cells in the attended view
+    bool dfr_in_place = false;      // every attended cell is its own row: the ubatch attends the transient itself
 
     // the recent window (kv_window): rows as in the transient, kept while a sequence may still attend within win of them
     uint32_t win        = 0; // positions, 0: off
