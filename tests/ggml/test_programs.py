@@ -27,7 +27,8 @@ def test_attention_benchmark_runs_and_refuses_bad_shapes(bin_dir):
     rc, out = _run([bin_dir / "bench-rq-attn", "64", "4", "2", "1", "2"])
     assert rc == 0, out[-4000:]
     rows = [ln.split("|") for ln in out.splitlines() if ln.startswith("| ") and "ms" not in ln]
-    assert len(rows) == 14 and {r[2].strip() for r in rows} == {"1", "2"}, out
+    assert len(rows) == 18 and {r[2].strip() for r in rows} == {"1", "2"}, out
+    assert sum("sharp" in r[1] for r in rows) == 4, out  # the query x30 rows, both kernels, both thread counts
     assert all(0 < float(r[4]) < 1e4 for r in rows), out
     rc, out = _run([bin_dir / "bench-rq-attn", "64", "12", "5"])
     assert rc == 1 and "usage" in out

@@ -1305,14 +1305,11 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
         while (e < n_kv && dfr_cell_of_row[e] < 0) {
             ++e;
         }
-        for (ggml_tensor * t : k_dfr) {
-            if (t && e > j) {
-                ggml_backend_tensor_memset(t, 0, j*t->nb[1], (e - j)*t->nb[1]);
-            }
-        }
-        for (ggml_tensor * t : v_dfr) {
-            if (t && e > j) {
-                ggml_backend_tensor_memset(t, 0, j*t->nb[1], (e - j)*t->nb[1]);
+        for (const auto * side : { &k_dfr, &v_dfr }) {
+            for (ggml_tensor * t : *side) {
+                if (t && e > j) {
+                    ggml_backend_tensor_memset(t, 0, j*t->nb[1], (e - j)*t->nb[1]);
+                }
             }
         }
         j = e + 1;
