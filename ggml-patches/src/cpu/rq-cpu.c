@@ -360,8 +360,16 @@ static void iso_mad_unpacked(int n, float * GGML_RESTRICT acc, const float * GGM
 // single-token decode can hand a tile's chunks to several threads (ggml_rq_fa_iso_split) with the same bits.
 #define RQ_FA_CHUNK 1024
 
-// the online softmax's flush-to-zero threshold (iso_exp8_ftz)
+// The online softmax's weights (exps of scores less the row's max) are 0 below RQ_FA_FTZ. Such a key weighs under
+// 2^-115 next to the max's 1, far under any float sum's resolution, but its exp (and its products with V) would be a
+// denormal, and x86 takes a microcode assist for each one: with sharp scores (most keys > 87 below the max, as a
+// model's attention at long context) the op ran 1.3x slower. Upstream's CUDA FA flushes the same way, from -20
+// (SOFTMAX_FTZ_THRESHOLD). NaN stays NaN.
 #define RQ_FA_FTZ (-80.0f)
+
+static inline float iso_expf_ftz(float x) {
+    return x < RQ_FA_FTZ ? 0.0f : expf(x);
+}
 
 #if defined(__AVX2__)
 // 8 vectors -> their 8 horizontal sums, in order
@@ -385,21 +393,11 @@ static inline __m256 iso_exp8(__m256 x) {
 }
 #endif
 
-// exps of scores less the row's max, 0 for those below RQ_FA_FTZ. Such a key weighs under 2^-115 next to the max's
-// 1, far under any float sum's resolution, but its exp (and its products with V) would be a denormal, and x86 takes
-// a microcode assist for each one: with sharp scores (most keys > 87 below the max, as at Qwen2.5's 32K) that doubled
-// the op's time. Upstream's CUDA FA flushes the same way, from -20 (SOFTMAX_FTZ_THRESHOLD). NaN stays NaN.
+// 8 weights, iso_expf_ftz's
 static inline __m256 iso_exp8_ftz(__m256 x) {
     const __m256 lo = _mm256_set1_ps(RQ_FA_FTZ);
     return _mm256_and_ps(iso_exp8(_mm256_max_ps(lo, x)), _mm256_cmp_ps(x, lo, _CMP_NLT_UQ));
 }
-#endif // __AVX2__
-
-static inline float iso_expf_ftz(float x) {
-    return x < RQ_FA_FTZ ? 0.0f : expf(x);
-}
-
-#if defined(__AVX2__)
 
 // the query tile for packed keys, interleaved: group g's 8 values of row t at qi[(g*RQ_FA_TILE + t)*8], so every row
 // of a group is a constant offset from one pointer (strided rows cost a register each and spilled at 6 rows)

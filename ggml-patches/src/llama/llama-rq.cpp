@@ -1283,17 +1283,12 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
         return false;
     }
 
-    const uint32_t n_kv = kv.get_n_kv(sinfo);
-    rq_rows_in_view(dfr_cell_of_row, kv_size, sinfo, n_kv, [&](uint32_t r, int64_t j) {
-        dfr_rows.push_back(r);
-        dfr_cells.push_back(j);
-    });
-
     // One prompt in a fresh cache (the common case) takes rows in cell order, so each attended cell is its own row
     // or an empty cell over a free row. The ubatch then attends the transient in place (build_attn): no dequantised
     // copy of the cache, which on a small model cost ~10% of a long prefill. Free rows in view are zeroed: their
     // cells are masked, but old contents could hold a non-finite value, and 0 * inf is NaN in a kernel that
     // multiplies masked weights instead of skipping them.
+    const uint32_t n_kv = kv.get_n_kv(sinfo);
     dfr_in_place = sinfo.s0 == sinfo.s1 && n_kv <= dfr_budget;
     const int64_t c0 = (int64_t) sinfo.s0*kv_size;
     for (uint32_t j = 0; j < n_kv && dfr_in_place; ++j) {
@@ -1313,6 +1308,12 @@ bool llama_kv_rq::ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ub
             }
         }
         j = e + 1;
+    }
+    if (!dfr_in_place) {
+        rq_rows_in_view(dfr_cell_of_row, kv_size, sinfo, n_kv, [&](uint32_t r, int64_t j) {
+            dfr_rows.push_back(r);
+            dfr_cells.push_back(j);
+        });
     }
 
     return true;
@@ -1447,8 +1448,8 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context *
     // the attention's inputs join the graph here too: it may already hold the attention when they are attached.
     // Only then: as leaves no node reads, ggml-alloc would not check their sizes when it reuses the last graph's
     // layout, and a larger n_kv would overlap them with the inputs after them
-    for (ggml_tensor * t : { inp.win_rows, inp.win_until, inp.win_qpos }) {
-        if (attend) {
+    if (attend) {
+        for (ggml_tensor * t : { inp.win_rows, inp.win_until, inp.win_qpos }) {
             ggml_build_forward_expand(gf, t);
         }
     }

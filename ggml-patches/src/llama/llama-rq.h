@@ -166,7 +166,7 @@ private:
 
     // the current ubatch's inputs (set by ubatch())
     std::vector<int64_t> dfr_w;     // [n_tokens] transient row of each token
-    std::vector<int32_t> dfr_rows;  // transient rows visible to the ubatch
+    std::vector<int32_t> dfr_rows;  // transient rows visible to the ubatch (none gathered when it attends in place)
     std::vector<int64_t> dfr_cells; // ... and their cells in the attended view
     bool dfr_in_place = false;      // every attended cell is its own row: the ubatch attends the transient itself
 
