@@ -94,7 +94,7 @@ def cmd_decode(ns: argparse.Namespace) -> None:
         deferred.append(modes[d])
     res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=_ints(ns.prefill, "--prefill"),
                      tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads,
-                     roofline=ns.roofline)
+                     roofline=ns.roofline, rounds=ns.rounds)
     _write(ns.out, res, decode.to_markdown(res))
 
 
@@ -309,6 +309,9 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
                    help="tokens M teacher-forced after the prompt, one llama_decode each")
     d.add_argument("--deferred", default="off,on", help="deferred prefill: off, on or off,on")
     d.add_argument("--text", type=Path, help="text file (default: the evaluation slice of the default text)")
+    d.add_argument("-r", "--rounds", type=int, default=1,
+                   help="interleaved rounds per prefill, every other one in reverse order (ABBA); speeds are "
+                        "medians, each round's prefill ratio to f16 is kept")
     d.add_argument("--roofline", action="store_true",
                    help="also measure bandwidth and F32 rate (before and after) and give each row rq-eval "
                         "roofline's limit, f16's decode after a short prefill as the depth-0 step (a "

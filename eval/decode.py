@@ -12,6 +12,7 @@ and tokens: KLD per step, same top-1, and the perplexity of those M+1 tokens und
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -171,14 +172,21 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
 
 
 def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], tokens: int = 64,
-        deferred: Sequence[bool] = (False, True), threads: int = 2, roofline: bool = False, progress=print) -> dict:
+        deferred: Sequence[bool] = (False, True), threads: int = 2, roofline: bool = False, rounds: int = 1,
+        progress=print) -> dict:
     """Every (prefill, cache type, deferred) against the F16-KV baseline of the same prefill.
+
+    rounds: run every configuration of a prefill that many times, interleaved, every other round in reverse order
+    (ABBA: a drift of the machine's speed over the run weighs on both ends alike); speeds are the rounds' medians,
+    with each round's ratio to f16 kept beside them. Logits (KLD) are the first round's.
 
     roofline: also measure the triad bandwidth and F32 rate before and after, and give each row its roofline t/s
     (rq-eval roofline's, f16's decode at the shortest prefill standing for the depth-0 step; a prefill of
     ROOFLINE_STEP0 tokens is added when every prefill is longer)."""
     if tokens < 1:
         raise DecodeError(f"decoded tokens must be at least 1, got {tokens}")
+    if rounds < 1:
+        raise DecodeError(f"rounds must be at least 1, got {rounds}")
     if not prefill or min(prefill) < 2:
         raise DecodeError(f"prefill lengths must be at least 2 tokens, got {prefill}")
     if not deferred:
@@ -207,25 +215,34 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     for n in prefill:
         targets = np.asarray(toks[n:n + tokens + 1])
         bits = bits_at[n]
-        progress(f"[rq-eval decode] prefill {n}: {BASELINE} baseline")
-        base = run_once(model, toks, n=n, m=tokens, cache=BASELINE, threads=threads)
-        rows.append(_row(n, BASELINE, False, base, score(base["logits"], base["logits"], targets), tokens, bits))
-        for spec in cache_types:
-            if spec == BASELINE:
-                continue
-            for d in deferred:
-                progress(f"[rq-eval decode] prefill {n}: {spec}{' deferred' if d else ''}")
+        configs = [(BASELINE, False), *((s, d) for s in cache_types if s != BASELINE for d in deferred)]
+        first: dict[tuple[str, bool], dict] = {}
+        secs: dict[tuple[str, bool], list[tuple[float, float]]] = {c: [] for c in configs}
+        for rnd in range(rounds):
+            for spec, d in configs if rnd % 2 == 0 else configs[::-1]:
+                what = BASELINE + " baseline" if spec == BASELINE else spec + (" deferred" if d else "")
+                progress(f"[rq-eval decode] prefill {n}: {what}" + (f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
                 r = run_once(model, toks, n=n, m=tokens, cache=spec, deferred=d, threads=threads)
-                row = _row(n, spec, d, r, score(base["logits"], r["logits"], targets), tokens, bits)
-                rows.append(row)
-                progress(f"[rq-eval decode]   mean KLD {row['kld_mean']:.5f}, step-0 KLD {row['kld_step0']:.5f}, "
-                         f"same top-1 {row['same_top1_pct']:.1f}%, prefill {row['prefill_tps'] or 0:.1f} t/s, "
-                         f"decode {row['decode_tps'] or 0:.1f} t/s")
+                secs[(spec, d)].append((r["prefill_s"], r["decode_s"]))
+                if rnd == 0:
+                    first[(spec, d)] = r
+                progress(f"[rq-eval decode]   prefill {n / r['prefill_s']:.1f} t/s, decode {tokens / r['decode_s']:.1f} t/s")
                 del r
+        base = first[(BASELINE, False)]
+        for spec, d in configs:
+            r = first.pop((spec, d))
+            row = _row(n, spec, d, r, score(base["logits"], r["logits"], targets), tokens, bits)
+            if rounds > 1:
+                _with_rounds(row, n, tokens, secs[(spec, d)])
+            rows.append(row)
+            if spec != BASELINE:
+                progress(f"[rq-eval decode]   {what_row(row)}: mean KLD {row['kld_mean']:.5f}, step-0 KLD "
+                         f"{row['kld_step0']:.5f}, same top-1 {row['same_top1_pct']:.1f}%")
+            del r
         del base
     compare(rows)
     res = {"model": model.name, "text": text.name, "tokens": tokens, "prefill": list(prefill), "threads": threads,
-           "n_batch": N_BATCH, "seconds": round(time.time() - t_start), "rows": rows}
+           "n_batch": N_BATCH, "rounds": rounds, "seconds": round(time.time() - t_start), "rows": rows}
     if roofline:
         rates.append(rl.machine_rates(threads))
         bw, rate = (sum(x) / 2 for x in zip(*rates))
@@ -236,14 +253,30 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     return res
 
 
+def what_row(row: dict) -> str:
+    return row["cache"] + (" deferred" if row["deferred"] else "")
+
+
+def _with_rounds(row: dict, n: int, m: int, secs: list[tuple[float, float]]) -> None:
+    """A row's speeds from several rounds: the medians, and each round's t/s."""
+    for k, tok, i in (("prefill_tps", n, 0), ("decode_tps", m, 1)):
+        tps = [round(tok / s[i], 2) if s[i] else None for s in secs]
+        row[k + "_rounds"] = tps
+        row[k] = round(statistics.median(tps), 2) if None not in tps else None
+
+
 def compare(rows: list[dict]) -> None:
-    """Each row's prefill and decode t/s over the f16 baseline's at the same prefill (same run)."""
+    """Each row's prefill and decode t/s over the f16 baseline's at the same prefill (same run); with rounds, also
+    each round's ratio (the baseline's same round)."""
     base = {r["prefill"]: r for r in rows if r["cache"] == BASELINE}
     for r in rows:
         b = base.get(r["prefill"])
         for k in ("prefill_tps", "decode_tps"):
             ok = b is not None and b[k] and r[k]
             r[k.replace("_tps", "_vs_f16")] = r[k] / b[k] if ok else None
+            if b is not None and r.get(k + "_rounds") and b.get(k + "_rounds"):
+                r[k.replace("_tps", "_vs_f16") + "_rounds"] = [x / y if x and y else None
+                                                               for x, y in zip(r[k + "_rounds"], b[k + "_rounds"])]
 
 
 def with_roofline(rows: list[dict], costs: dict[tuple[str, int], tuple[int, float]], bandwidth: float,
@@ -280,6 +313,11 @@ def to_markdown(res: dict) -> str:
              "prompt attends an exact F16 copy of its K/V until the first decode step. Speeds: wall clock of "
              f"the prefill's llama_decode calls ({res.get('n_batch', N_BATCH)} tokens each) and of the decode "
              f"steps, {res.get('threads', '?')} threads; vs f16: over the f16 run of the same prefill.", ""]
+    rounds = res.get("rounds", 1)
+    if rounds > 1:
+        lines += [f"Speeds: medians of {rounds} interleaved rounds, every other one in reverse order (f16, A, B, then "
+                  "B, A, f16); \"per round\": each round's prefill t/s over f16's in the same round. KLD: the first "
+                  "round's logits.", ""]
     rl = res.get("roofline")
     if rl:
         lines += [f"Roofline (rq-eval roofline's): 1 / (f16's decode step after {rl['step0_prefill']} tokens + "
@@ -295,10 +333,10 @@ def to_markdown(res: dict) -> str:
     if any(r.get("key_split_ops") for r in res["rows"]):
         lines += ["Single-token decode with fewer K/V heads than threads: the threads split each head's keys "
                   "(GGML_RQ_CPU_SPLIT=0: rows only; same bits).", ""]
-    extra = " roofline t/s | decode / roofline |" if rl else ""
+    extra = (" prefill vs f16 per round |" if rounds > 1 else "") + (" roofline t/s | decode / roofline |" if rl else "")
     lines += ["| prefill N | cache | bits/value | deferred | mean KLD | KLD p99 | max KLD | same top-1 % | PPL "
               "| step-0 KLD | prefill t/s | decode t/s | prefill vs f16 | decode vs f16 |" + extra,
-              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (2 if rl else 0)]
+              "|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * extra.count("|")]
     f = lambda x, p=2: "–" if x is None else f"{x:.{p}f}"  # noqa: E731
     notes = set()
     rows = [dict(r) for r in res["rows"]]
@@ -320,6 +358,8 @@ def to_markdown(res: dict) -> str:
                 f"| {r['kld_max']:.5f} | {r['same_top1_pct']:.1f} | {r['ppl']:.3f} | {r['kld_step0']:.5f} "
                 f"| {f(r['prefill_tps'], 1)} | {f(r['decode_tps'], 1)} | {f(r.get('prefill_vs_f16'))} "
                 f"| {f(r.get('decode_vs_f16'))} |")
+        if rounds > 1:
+            line += " " + " / ".join(f(x) for x in r.get("prefill_vs_f16_rounds") or [None]) + " |"
         if rl:
             line += f" {f(r.get('roofline_tps'), 1)} | {f(r.get('decode_over_roofline'))} |"
         lines.append(line)

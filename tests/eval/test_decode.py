@@ -128,6 +128,38 @@ def test_markdown_shows_roofline_columns_only_when_measured():
     assert head.count("|") == sep.count("|")
 
 
+def test_rounds_interleave_abba_and_keep_each_rounds_ratio(monkeypatch, tmp_path):
+    from rotaryquant.plan import accounting
+
+    calls = []
+    secs = {("f16", 1): 2.0, ("q4_0", 1): 4.0, ("q4_0", 2): 3.0, ("f16", 2): 2.5}  # prefill seconds per round
+
+    def fake_run_once(model, toks, *, n, m, cache, deferred=False, threads=2):
+        calls.append(cache)
+        rnd = 1 + sum(c == cache for c in calls[:-1])
+        logits = np.zeros((m + 1, 8), np.float32)
+        logits[:, 0] = 1.0 if cache == "f16" or rnd > 1 else 0.0  # only round 1's logits are scored
+        return {"logits": logits, "prefill_s": secs[(cache, rnd)], "decode_s": 1.0, "counters": None}
+
+    monkeypatch.setattr(decode, "run_once", fake_run_once)
+    monkeypatch.setattr(decode, "text_tokens", lambda model, text, k: [i % 8 for i in range(k)])
+    monkeypatch.setattr(accounting, "kv_bits_or_none", lambda *a, **k: {})
+    res = decode.run(tmp_path / "m.gguf", tmp_path / "t.txt", cache_types=["q4_0"], prefill=[100], tokens=2,
+                     deferred=[False], rounds=2, progress=lambda *_: None)
+    assert calls == ["f16", "q4_0", "q4_0", "f16"]
+    base, q4 = res["rows"]
+    assert base["prefill_tps_rounds"] == [50.0, 40.0] and base["prefill_tps"] == 45.0
+    assert q4["prefill_tps_rounds"] == [25.0, pytest.approx(33.33)] and q4["prefill_vs_f16_rounds"] == [
+        0.5, pytest.approx(33.33 / 40)]
+    assert q4["prefill_vs_f16"] == pytest.approx((25 + 33.33) / 2 / 45, rel=1e-3) and q4["kld_mean"] > 0
+    md = decode.to_markdown(res)
+    assert "medians of 2 interleaved rounds" in md and "| 0.50 / 0.83 |" in md
+    head, sep = (ln for ln in md.splitlines() if ln.startswith("| prefill N") or ln.startswith("|---:"))
+    assert head.count("|") == sep.count("|") == md.splitlines()[-1].count("|")
+    with pytest.raises(decode.DecodeError, match="rounds must be at least 1"):
+        decode.run(tmp_path / "m.gguf", tmp_path / "t.txt", cache_types=["q4_0"], prefill=[100], rounds=0)
+
+
 def test_report_picks_up_decode_results(tmp_path):
     from rotaryquant.eval import report
 
