@@ -303,9 +303,9 @@ def _row(n: int, cache: str, deferred: bool, r: dict, s: dict, m: int, bits: dic
             "counters": r["counters"], "cpu_kernels": r.get("cpu_kernels"), "key_split_ops": r.get("key_split_ops", 0)}
 
 
-def to_markdown(res: dict) -> str:
+def to_markdown(res: dict, title: str = "Decode-time KV quality") -> str:
     m = res["tokens"]
-    lines = [f"## Decode-time KV quality: {res['model']}", "",
+    lines = [f"## {title}: {res['model']}", "",
              f"Text {res['text']}: prefill N tokens, then {m} tokens teacher-forced one `llama_decode` each. "
              f"KLD per step against the F16-KV run of the same tokens, over {m + 1} steps; step 0 is the "
              "prefill's own logits (predicting token N), steps 1.."

@@ -248,6 +248,14 @@ def build(results: Path) -> Path:
         body += [decode.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
     if not decode_files:
         body += ["## Decode-time KV quality", "", "_not run: `rq-eval decode`_", ""]
+    # prefill runs against f16: rq-eval decode (full prompts, with rounds) or rq-eval bench (-p N at depth 0)
+    for f in sorted(results.glob("prefill*.json")):
+        from rotaryquant.eval import decode, kvbench
+
+        res = json.loads(f.read_text())
+        md = (kvbench.to_markdown(res).replace("# KV-cache benchmark", "## Prefill speed") if "kv_shape" in res
+              else decode.to_markdown(res, title="Prefill speed (and decode-time KV quality)"))
+        body += [md, f"Source: [{f.name}]({f.name}).", ""]
 
     for f in sorted(results.glob("kv-memory*.json")):
         from rotaryquant.eval import kvmemory

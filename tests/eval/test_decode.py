@@ -174,6 +174,11 @@ def test_report_picks_up_decode_results(tmp_path):
     assert "## Decode-time KV quality: decode.gguf" in md and "## Decode-time KV quality: decode-qwen.gguf" in md
     assert "| 2048 | q4_0 | – | off | 0.05000 |" in md
     assert "_not run: `rq-eval decode`_" not in md and "_not run: `rq-eval niah`_" in md
+    res["rounds"] = 2
+    (tmp_path / "prefill-32k.json").write_text(json.dumps(res))
+    md = report.build(tmp_path).read_text()
+    assert "## Prefill speed (and decode-time KV quality): decode-qwen.gguf" in md and "medians of 2 interleaved" in md
+    assert "Source: [prefill-32k.json](prefill-32k.json)" in md
 
 
 # --- a small real run ----------------------------------------------------------------------------
