@@ -220,8 +220,8 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
         secs: dict[tuple[str, bool], list[tuple[float, float]]] = {c: [] for c in configs}
         for rnd in range(rounds):
             for spec, d in configs if rnd % 2 == 0 else configs[::-1]:
-                what = BASELINE + " baseline" if spec == BASELINE else spec + (" deferred" if d else "")
-                progress(f"[rq-eval decode] prefill {n}: {what}" + (f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
+                progress(f"[rq-eval decode] prefill {n}: {_label(spec, d)}" +
+                         (f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
                 r = run_once(model, toks, n=n, m=tokens, cache=spec, deferred=d, threads=threads)
                 secs[(spec, d)].append((r["prefill_s"], r["decode_s"]))
                 if rnd == 0:
@@ -236,7 +236,7 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
                 _with_rounds(row, n, tokens, secs[(spec, d)])
             rows.append(row)
             if spec != BASELINE:
-                progress(f"[rq-eval decode]   {what_row(row)}: mean KLD {row['kld_mean']:.5f}, step-0 KLD "
+                progress(f"[rq-eval decode]   {_label(spec, d)}: mean KLD {row['kld_mean']:.5f}, step-0 KLD "
                          f"{row['kld_step0']:.5f}, same top-1 {row['same_top1_pct']:.1f}%")
             del r
         del base
@@ -253,8 +253,8 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     return res
 
 
-def what_row(row: dict) -> str:
-    return row["cache"] + (" deferred" if row["deferred"] else "")
+def _label(cache: str, deferred: bool) -> str:
+    return f"{cache} baseline" if cache == BASELINE else cache + (" deferred" if deferred else "")
 
 
 def _with_rounds(row: dict, n: int, m: int, secs: list[tuple[float, float]]) -> None:
