@@ -19,7 +19,8 @@ from pathlib import Path
 from rotaryquant import assets, data, kvtypes, paths
 from rotaryquant.errors import RQError, run_cli
 from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality, niah,
-                              report, roofline, serve, servertests, weights, weightspeed)
+                              report, roofline, serve, servertests, versus, weights, weightspeed)
+from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
@@ -159,6 +160,42 @@ def cmd_niah(ns: argparse.Namespace) -> None:
                    seeds=tuple(_ints(ns.seeds, "--seeds")), n_needles=ns.needles, deferred=ns.deferred,
                    threads=ns.threads)
     _write(ns.out, res, niah.to_markdown(res))
+
+
+def cmd_versus(ns: argparse.Namespace) -> None:
+    model = _model(ns, assets.ISO_MODEL)
+    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
+    if "ours" not in blds:
+        blds = {"ours": builds_mod.ours(), **blds}
+    configs = [versus.parse_config(c, list(blds)) for c in ns.config]
+    if not configs:
+        raise RQError("no --config given", fix="add e.g. --config ours:isoquant3_0 --config 'ik:q4_0 -khad -vhad'")
+    measures = _names(ns.measure)
+    unknown = [m for m in measures if m not in versus.MEASURES]
+    if unknown:
+        raise RQError(f"--measure: unknown {', '.join(unknown)}; known: {', '.join(versus.MEASURES)}")
+    used = {c.build for c in configs}
+    res: dict = {"model": model.name, "text": data.evaluation_text().name, "threads": ns.threads,
+                 "argv": ns.argv, "builds": {n: b.describe() for n, b in blds.items() if n in used}}
+    text = data.evaluation_text()
+
+    def save() -> None:  # after every measurement: a long unattended run keeps what it finished
+        _write(ns.out, res, versus.to_markdown(res), echo=False)
+
+    for m in measures:
+        if m == "kld":
+            res["kld"] = versus.kld(blds, configs, model, text, ctx=ns.ctx, chunks=ns.chunks, threads=ns.threads)
+        elif m == "decode":
+            res["decode"] = versus.decode(blds, configs, model, text, prefill=ns.prefill, steps=ns.tokens,
+                                          rounds=ns.rounds, threads=ns.threads)
+        elif m == "ttft":
+            res["ttft"] = versus.ttft(blds, configs, model, text, rounds=max(ns.rounds, 3), threads=ns.threads)
+        else:
+            res["niah"] = versus.niah(blds, configs, model, text, ctxs=_ints(ns.niah_ctx, "--niah-ctx"),
+                                      depths=_floats(ns.depths, "--depths"), seeds=_ints(ns.seeds, "--seeds"),
+                                      threads=ns.threads)
+        save()
+    print(versus.to_markdown(res))
 
 
 def cmd_gate(ns: argparse.Namespace) -> None:
@@ -344,6 +381,27 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     n.add_argument("--needles", type=int, default=niah.N_NEEDLES, help=f"needles per haystack (1-{len(niah.KEYS)})")
     n.add_argument("--deferred", choices=("off", "also", "only"), default="off",
                    help="run each non-f16 type (also / only) with deferred prefill (label 'TYPE deferred')")
+
+    vs = add("versus", "other llama.cpp builds (stock, forks) beside ours: KLD, decode KLD and speed, start-up, "
+             "needles, each build through its own binaries against its own F16", cmd_versus, out="versus")
+    vs.add_argument("--build", action="append", default=[], metavar="NAME=BIN_DIR",
+                    help="a build's bin folder (CMake, shared libraries), repeatable; 'ours' is build/cpu/bin "
+                         "unless given")
+    vs.add_argument("--config", action="append", default=[], metavar="'BUILD:K[/V] [FLAGS]'",
+                    help="a cache configuration as that build's tools take it, repeatable, e.g. "
+                         "'ours:isoquant3_0', 'turbo:q8_0/turbo3', 'ik:q4_0 -khad -vhad'; each build's f16 is added "
+                         "as its baseline (not for niah)")
+    vs.add_argument("--measure", default="kld,decode,ttft",
+                    help=f"comma-separated, of {', '.join(versus.MEASURES)}")
+    vs.add_argument("--ctx", type=int, default=2048, help="kld: llama-perplexity's context")
+    vs.add_argument("--chunks", type=int, default=2, help="kld: chunks")
+    vs.add_argument("--prefill", type=int, default=8192, help="decode: prompt tokens before the decode steps")
+    vs.add_argument("--tokens", type=int, default=64, help="decode: teacher-forced steps after the prompt")
+    vs.add_argument("-r", "--rounds", type=int, default=1,
+                    help="decode and ttft (at least 3): interleaved rounds, every other one reversed; medians")
+    vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
+    vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
+    vs.add_argument("--seeds", default="42", help="niah: seeds")
 
     g = add("gate", "12-prompt quality gate (instruction model): pass/fail per KV type", cmd_gate, out="gate",
             model="GGUF of an instruction model (default: Qwen2.5-Coder-1.5B-Instruct, the optional asset; "

@@ -49,8 +49,9 @@ def _grab(pattern: str, text: str) -> float | None:
 
 def parse_output(label: str, text: str) -> PplResult:
     """Read llama-perplexity's summary (plain run, or --kl-divergence run)."""
-    ppl = _grab(r"Final estimate: PPL = " + _NUM, text)
-    err = _grab(r"Final estimate: PPL = [-+0-9.eE]+ \+/- " + _NUM, text)
+    final = r"Final estimate: PPL(?: over \d+ chunks for n_ctx=\d+)? = "  # the second form: ik_llama.cpp's
+    ppl = _grab(final + _NUM, text)
+    err = _grab(final + r"[-+0-9.eE]+ \+/- " + _NUM, text)
     if ppl is None:  # the KLD run prints the quantised PPL in its own summary
         ppl = _grab(r"Mean PPL\(Q\)\s*:\s*" + _NUM, text)
         err = _grab(r"Mean PPL\(Q\)\s*:\s*[-+0-9.eE]+ ± " + _NUM, text)

@@ -41,3 +41,9 @@ def test_kld_of_identical_run_is_zero(smollm2, tmp_path):
 def test_errors_name_the_problem(smollm2, tmp_path):
     with pytest.raises(perplexity.PerplexityError, match="failed"):
         perplexity.run(tmp_path / "missing.gguf", data.evaluation_text(), label="missing", ctx=256, chunks=1)
+
+
+def test_ik_llama_final_estimate_is_read():
+    # ik_llama.cpp names the chunks and context in its plain-run summary line
+    r = perplexity.parse_output("ik", "Final estimate: PPL over 2 chunks for n_ctx=2048 = 31.8672 +/- 1.20345\n")
+    assert (r.ppl, r.ppl_err) == (31.8672, 1.20345)

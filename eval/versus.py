@@ -1,0 +1,531 @@
+"""Beside the alternatives: the same measurements through every build's own binaries, each against its own F16.
+
+Builds (ours, stock llama.cpp, forks) are named NAME=BIN_DIR (rotaryquant.eval.builds). A configuration is
+"BUILD:K[/V] [FLAGS...]", the cache types and flags as that build's own tools take them (``ik:q4_0 -khad -vhad``);
+every build used also runs "BUILD:f16", the baseline its rows are scored against, because different builds give
+slightly different F16 logits. Four measurements:
+
+- ``kld``: llama-perplexity of each build, --kl-divergence against that build's F16 logits (mean, p99, same top-1);
+- ``decode``: rq-probe prefills N tokens of text in 512-token calls, then teacher-forces M single-token steps; KLD of
+  the steps against the build's F16 run, and prefill / decode t/s over the same build's F16 in the same round
+  (rounds interleaved, every other one reversed, as ``rq-eval decode -r``);
+- ``ttft``: rq-probe from process start to the first token's logits on a short prompt (model load, context creation
+  and anything the build does at start-up, e.g. measuring K statistics);
+- ``niah``: rq-probe evaluates each haystack once, asks every needle from a saved copy of its state, greedy answers.
+
+Bits per value are read from the KV cache size each build's log prints (never from the flag: a build may change
+what a flag means), over the values the model's K/V heads hold; the build's own notes about its cache (a type
+upgraded, heads padded) are kept beside each row.
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rotaryquant.errors import RQError
+from rotaryquant.eval import builds as B
+from rotaryquant.eval import perplexity
+
+BASE = "f16"
+MEASURES = ("kld", "decode", "ttft", "niah")
+TIMEOUT = 4 * 3600
+
+
+class VersusError(RQError):
+    """Bad configurations or arguments; a run that fails is recorded in its row, not raised."""
+
+
+@dataclass(frozen=True)
+class Config:
+    build: str
+    k: str
+    v: str
+    flags: tuple[str, ...] = ()
+
+    @property
+    def cache(self) -> str:
+        return self.k if self.k == self.v else f"{self.k}/{self.v}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.build}:{self.cache}" + "".join(" " + f for f in self.flags)
+
+    @property
+    def is_base(self) -> bool:
+        return self.k == self.v == BASE and not self.flags
+
+    def args(self) -> list[str]:
+        return ["-ctk", self.k, "-ctv", self.v, *self.flags]
+
+
+def parse_config(spec: str, names: Sequence[str]) -> Config:
+    """'BUILD:K[/V] [FLAGS...]' -> Config; VersusError for an unknown build or an empty cache."""
+    name, sep, rest = spec.partition(":")
+    words = shlex.split(rest)
+    if not sep or not words:
+        raise VersusError(f"a configuration is BUILD:K[/V] [FLAGS...], got {spec!r}")
+    if name not in names:
+        raise VersusError(f"configuration {spec!r} names build {name!r}; builds given: {', '.join(names)}",
+                          fix="add --build NAME=BIN_DIR for it")
+    k, _, v = words[0].partition("/")
+    return Config(name, k, v or k, tuple(words[1:]))
+
+
+def with_baselines(configs: Sequence[Config]) -> list[Config]:
+    """Each build's F16 first, then its configurations, in the order the builds first appear."""
+    out: list[Config] = []
+    for name in dict.fromkeys(c.build for c in configs):
+        out += [Config(name, BASE, BASE), *(c for c in configs if c.build == name and not c.is_base)]
+    return out
+
+
+# --- what a build's log says about its cache ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KvShape:
+    n_layer: int
+    n_head_kv: int
+    k_len: int
+    v_len: int
+
+
+def kv_shape(model: Path) -> KvShape:
+    from rotaryquant.gguf_io import read_header
+
+    h = read_header(model)
+
+    def one(key: str, default: int | None = None) -> int:
+        val = h.get(key, default)
+        if isinstance(val, (list, tuple)):  # per-layer head counts: the attention layers'
+            val = max(val)
+        if val is None:
+            raise VersusError(f"{model.name} has no {h.arch}.{key}")
+        return int(val)
+
+    heads = one("attention.head_count")
+    k_len = one("attention.key_length", one("embedding_length") // heads)
+    return KvShape(one("block_count"), one("attention.head_count_kv", heads), k_len,
+                   one("attention.value_length", k_len))
+
+
+_UPSTREAM = (r"size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,[^)]*\), "
+             r"K \(([^)]+)\):\s*([\d.]+) MiB, V \(([^)]+)\):\s*([\d.]+) MiB")
+_IK = r"KV self size\s*=\s*[\d.]+ MiB, K \(([^)]+)\):\s*([\d.]+) MiB, V \(([^)]+)\):\s*([\d.]+) MiB"
+_WINDOW = r"init_window: .*?([\d.]+) MiB\)"  # ours: the recent window's F16 rows, beside each cache
+_NOTE = (r"auto-asymmetric|Boundary V|zero-padding|require flash_attn|_hadam|K centring|not a supported combination|"
+         r"attn_rot_[kv] = [1-9]")
+
+
+def kv_bits(log: str, shape: KvShape) -> dict:
+    """Bits per value of the KV cache a run allocated, from the size lines its log printed (upstream's per-cache
+    line, or ik_llama.cpp's "KV self size" with its n_ctx), and the build's notes about its cache."""
+    import re
+
+    mib, values, types = 0.0, 0, set()
+    for cells, layers, kt, km, vt, vm in re.findall(_UPSTREAM, log):
+        mib += float(km) + float(vm)
+        values += int(cells) * int(layers) * shape.n_head_kv * (shape.k_len + shape.v_len)
+        types.add(f"{kt}/{vt}")
+    mib += sum(float(x) for x in re.findall(_WINDOW, log)) if values else 0.0
+    if not values:
+        ctx = re.search(r"\bn_ctx\s*=\s*(\d+)", log)
+        for kt, km, vt, vm in re.findall(_IK, log):
+            if ctx:
+                mib += float(km) + float(vm)
+                values += int(ctx.group(1)) * shape.n_layer * shape.n_head_kv * (shape.k_len + shape.v_len)
+                types.add(f"{kt}/{vt}")
+    notes = list(dict.fromkeys(re.sub(r"\b\d+\.\d+ s\b", "N s", line.split(": ", 1)[-1].strip())
+                               for line in log.splitlines() if re.search(_NOTE, line)))[:6]
+    return {"bits_per_value": round(mib * 2**20 * 8 / values, 3) if values else None,
+            "kv_mib": round(mib, 2) if values else None, "logged_types": sorted(types), "notes": notes}
+
+
+# --- running one program --------------------------------------------------------------------------------------
+
+def _run(cmd: list[str], timeout: float = TIMEOUT) -> tuple[int, str, str, float]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, env=B.run_env(), timeout=timeout)
+        return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        return -9, out, err + f"\n(timed out after {timeout:.0f} s)", time.perf_counter() - t0
+
+
+def _failure(rc: int, log: str, cmd: list[str]) -> dict:
+    """What happened, for a row that did not run: the exit, the log's last lines, the command."""
+    what = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
+    tail = [x for x in log.strip().splitlines() if x.strip()][-8:]
+    return {"error": what, "log_tail": tail, "command": shlex.join(cmd)}
+
+
+def _json_line(out: str) -> dict:
+    import json
+
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line")
+
+
+def _probe_cmd(build: B.Build, mode: str, model: Path, n_ctx: int, cfg: Config, threads: int,
+               *extra: str) -> list[str]:
+    return [str(B.probe(build)), mode, "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-fa", "on",
+            *cfg.args(), *extra]
+
+
+# --- measurements ---------------------------------------------------------------------------------------------
+
+Progress = Callable[[str], None]
+
+
+def kld(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, ctx: int = 2048,
+        chunks: int = 2, threads: int = 2, progress: Progress = print) -> list[dict]:
+    """llama-perplexity of each build: its F16 run saves logits, each configuration is scored against them."""
+    shape = kv_shape(model)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
+        for cfg in with_baselines(configs):
+            b = builds[cfg.build]
+            base = Path(tmp) / f"{cfg.build}.kld"
+            cmd = [str(b.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks",
+                   str(chunks), "-t", str(threads), "-fa", "on", *cfg.args(), "--kl-divergence-base", str(base)]
+            if not cfg.is_base:
+                if not base.exists():
+                    rows.append({"config": cfg.label, "build": cfg.build, "error": "no F16 baseline (it failed)"})
+                    continue
+                cmd.append("--kl-divergence")
+            progress(f"[rq-eval versus] kld ctx {ctx}: {cfg.label}")
+            rc, out, err, secs = _run(cmd)
+            row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags), "ctx": ctx,
+                   "chunks": chunks, "command": shlex.join(cmd), "seconds": round(secs, 1), **kv_bits(err, shape)}
+            if rc != 0:
+                row.update(_failure(rc, out + err, cmd))
+            else:
+                try:
+                    r = perplexity.parse_output(cfg.label, out + err)
+                    row.update({k: getattr(r, k) for k in ("ppl", "kld_mean", "kld_p99", "kld_max", "same_top_p")})
+                except perplexity.PerplexityError as e:
+                    row.update(_failure(rc, str(e), cmd))
+            rows.append(row)
+            if "error" in row:
+                progress(f"[rq-eval versus]   failed: {row['error']}: {(row.get('log_tail') or [''])[-1]}")
+            elif not cfg.is_base:
+                progress(f"[rq-eval versus]   {row['bits_per_value']} bits/value, KLD {row['kld_mean']:.5f}, "
+                         f"p99 {row['kld_p99']:.4f}")
+    return rows
+
+
+def _rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:
+    """ABBA: every configuration once per round, every other round in reverse order."""
+    return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else configs[::-1])]
+
+
+def _tokens_file(path: Path, toks: Sequence[int]) -> Path:
+    path.write_text(" ".join(map(str, toks)) + "\n")
+    return path
+
+
+def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prefill: int,
+           steps: int = 64, rounds: int = 1, threads: int = 2, progress: Progress = print) -> list[dict]:
+    """Prefill `prefill` tokens, teacher-force `steps`: per-step KLD against the build's F16, speeds in rounds."""
+    from rotaryquant.eval import decode as dec
+
+    if rounds < 1 or steps < 1 or prefill < 2:
+        raise VersusError("decode needs a prefill of at least 2 tokens, at least 1 step and 1 round")
+    toks = dec.text_tokens(model, text, prefill + steps + 1)
+    targets = np.asarray(toks[prefill:prefill + steps + 1])
+    n_ctx = -(-(prefill + steps) // 256) * 256
+    shape = kv_shape(model)
+    order = with_baselines(configs)
+    secs: dict[Config, list[tuple[float, float]]] = {c: [] for c in order}
+    first: dict[Config, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
+        tok_file = _tokens_file(Path(tmp) / "tokens.txt", toks)
+        for rnd, cfg in _rounds_order(order, rounds):
+            if cfg in first and "error" in first[cfg]:
+                continue
+            progress(f"[rq-eval versus] decode {prefill}+{steps}: {cfg.label}"
+                     + (f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
+            logits = Path(tmp) / f"{len(first)}.f32"
+            cmd = _probe_cmd(builds[cfg.build], "decode", model, n_ctx, cfg, threads, "--tokens", str(tok_file),
+                             "--prefill", str(prefill), "--steps", str(steps),
+                             *(["--logits", str(logits)] if rnd == 0 else []))
+            rc, out, err, _ = _run(cmd)
+            if rnd == 0:
+                first[cfg] = {"command": shlex.join(cmd), **kv_bits(err, shape)}
+            if rc != 0:
+                first[cfg].update(_failure(rc, out + err, cmd))
+                progress(f"[rq-eval versus]   failed: {first[cfg]['error']}: {first[cfg]['log_tail'][-1:]}")
+                continue
+            t = _json_line(out)
+            secs[cfg].append((t["prefill_s"], t["decode_s"]))
+            if rnd == 0:
+                first[cfg]["logits"] = logits
+                first[cfg]["n_vocab"] = t["n_vocab"]
+            progress(f"[rq-eval versus]   prefill {prefill / t['prefill_s']:.1f} t/s, decode "
+                     f"{steps / t['decode_s']:.2f} t/s")
+        rows = []
+        for cfg in order:
+            f = first[cfg]
+            row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags),
+                   "prefill": prefill, "steps": steps, **{k: v for k, v in f.items() if k not in ("logits", "n_vocab")}}
+            base = first[Config(cfg.build, BASE, BASE)]
+            if "error" not in f and "logits" in base:
+                shape2 = (steps + 1, f["n_vocab"])
+                s = dec.score(np.fromfile(base["logits"], np.float32).reshape(shape2),
+                              np.fromfile(f["logits"], np.float32).reshape(shape2), targets)
+                row.update({k: s[k] for k in ("kld_mean", "kld_p99", "kld_max", "same_top1_pct", "kld_steps")})
+            if secs[cfg]:
+                row["prefill_tps_rounds"] = [round(prefill / p, 2) for p, _ in secs[cfg]]
+                row["decode_tps_rounds"] = [round(steps / d, 3) for _, d in secs[cfg]]
+                row["prefill_tps"] = round(statistics.median(row["prefill_tps_rounds"]), 2)
+                row["decode_tps"] = round(statistics.median(row["decode_tps_rounds"]), 3)
+            rows.append(row)
+    _ratios(rows, ("prefill_tps", "decode_tps"))
+    return rows
+
+
+def _ratios(rows: list[dict], keys: Sequence[str]) -> None:
+    """Each row's speeds over its own build's F16 row: the medians' ratio, and each round's."""
+    base = {r["build"]: r for r in rows if r["cache"] == BASE and not r["flags"]}
+    for r in rows:
+        b = base.get(r["build"])
+        for k in keys:
+            if b is None or not r.get(k) or not b.get(k):
+                continue
+            r[k + "_vs_f16"] = round(r[k] / b[k], 4)
+            r[k + "_vs_f16_rounds"] = [round(x / y, 4) for x, y in zip(r[k + "_rounds"], b[k + "_rounds"])]
+
+
+def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prompt: int = 16,
+         rounds: int = 3, threads: int = 2, progress: Progress = print) -> list[dict]:
+    """Seconds from process start to the first token's logits for a `prompt`-token prompt, median of rounds."""
+    from rotaryquant.eval import decode as dec
+
+    toks = dec.text_tokens(model, text, prompt)
+    order = with_baselines(configs)
+    times: dict[Config, list[dict]] = {c: [] for c in order}
+    rows: dict[Config, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
+        tok_file = _tokens_file(Path(tmp) / "tokens.txt", toks)
+        for rnd, cfg in _rounds_order(order, rounds):
+            if cfg in rows and "error" in rows[cfg]:
+                continue
+            progress(f"[rq-eval versus] ttft: {cfg.label} (round {rnd + 1}/{rounds})")
+            cmd = _probe_cmd(builds[cfg.build], "decode", model, 4096, cfg, threads, "--tokens", str(tok_file),
+                             "--prefill", str(prompt), "--steps", "0")
+            rc, out, err, wall = _run(cmd)
+            if cfg not in rows:
+                rows[cfg] = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags),
+                             "prompt": prompt, "command": shlex.join(cmd), **kv_bits(err, kv_shape(model))}
+            if rc != 0:
+                rows[cfg].update(_failure(rc, out + err, cmd))
+                continue
+            t = _json_line(out)
+            times[cfg].append({"first_token_s": t["first_token_s"], "ctx_s": t["ctx_s"], "wall_s": wall})
+            progress(f"[rq-eval versus]   first token after {t['first_token_s']:.2f} s (context {t['ctx_s']:.2f} s)")
+    out_rows = []
+    for cfg in order:
+        r = rows[cfg]
+        for k in ("first_token_s", "ctx_s", "wall_s"):
+            if times[cfg]:
+                r[k + "_rounds"] = [round(x[k], 3) for x in times[cfg]]
+                r[k] = round(statistics.median(r[k + "_rounds"]), 3)
+        out_rows.append(r)
+    base = {r["build"]: r for r in out_rows if r["cache"] == BASE and not r["flags"]}
+    for r in out_rows:
+        b = base.get(r["build"])
+        if b and r.get("first_token_s") is not None and b.get("first_token_s") is not None:
+            r["added_s"] = round(r["first_token_s"] - b["first_token_s"], 3)
+    return out_rows
+
+
+def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, haystack: Path, *, ctxs: Sequence[int],
+         depths: Sequence[float], seeds: Sequence[int] = (42,), n_needles: int = 8, threads: int = 2,
+         answer: int = 12, progress: Progress = print) -> list[dict]:
+    """Multi-key needles (rotaryquant.eval.niah's haystacks and questions) through each build's rq-probe. No F16
+    baseline is added: give the configurations to compare, f16 among them if wanted."""
+    import llama_cpp
+
+    from rotaryquant.eval import niah as nh
+
+    text = haystack.read_text(errors="replace")
+    voc = llama_cpp.Llama(model_path=str(model), vocab_only=True, n_ctx=16, verbose=False)
+    shape = kv_shape(model)
+    rows = []
+    try:
+        vocab = llama_cpp.llama_model_get_vocab(voc.model)
+        with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
+            for ctx in ctxs:
+                for seed in seeds:
+                    for depth in depths:
+                        pairs = nh.needles(seed, n_needles)
+                        prompt = nh.build_prompt(voc, text[nh.haystack_offset(seed, len(text), ctx):], ctx, depth,
+                                                 pairs)
+                        hay = _tokens_file(Path(tmp) / f"hay-{ctx}-{seed}-{depth}.txt", prompt)
+                        qs = Path(tmp) / f"q-{ctx}-{seed}-{depth}.txt"
+                        qs.write_text("".join(" ".join(map(str, voc.tokenize(
+                            f"\n\nQuestion: What is the secret number of the {k}?\nAnswer: The secret number of the "
+                            f"{k} is".encode(), add_bos=False))) + "\n" for k, _ in pairs))
+                        for cfg in configs:
+                            progress(f"[rq-eval versus] niah ctx {ctx} seed {seed} depth {depth:.0%}: {cfg.label}")
+                            cmd = _probe_cmd(builds[cfg.build], "niah", model, ctx, cfg, threads, "--tokens", str(hay),
+                                             "--questions", str(qs), "--answer", str(answer))
+                            rc, out, err, secs = _run(cmd)
+                            row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache,
+                                   "flags": list(cfg.flags), "ctx": ctx, "seed": seed, "depth": depth,
+                                   "asked": len(pairs), "seconds": round(secs, 1), "command": shlex.join(cmd),
+                                   **kv_bits(err, shape)}
+                            if rc != 0:
+                                row.update(_failure(rc, out + err, cmd))
+                            else:
+                                lines = [x for x in out.strip().splitlines() if not x.startswith("{")]
+                                answers = []
+                                for line in lines:
+                                    ids = [int(x) for x in line.split()]
+                                    cut = next((i for i, t in enumerate(ids) if llama_cpp.llama_vocab_is_eog(vocab, t)),
+                                               len(ids))
+                                    answers.append(voc.detokenize(ids[:cut]).decode(errors="replace").strip())
+                                row["answers"] = answers
+                                row["found"] = sum(v in a.replace(",", "").replace(" ", "")
+                                                   for (_, v), a in zip(pairs, answers))
+                                progress(f"[rq-eval versus]   {row['found']}/{row['asked']}")
+                            rows.append(row)
+    finally:
+        voc.close()
+    return rows
+
+
+# --- rendering --------------------------------------------------------------------------------------------------
+
+def _f(x: float | None, nd: int = 4) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def _bits(r: dict) -> str:
+    return _f(r.get("bits_per_value"), 3)
+
+
+def to_markdown(res: dict) -> str:
+    lines = [f"## Beside the alternatives: {res['model']}", "",
+             f"Text {res['text']}; {res['threads']} threads. Builds (each measured through its own binaries and "
+             "libllama; every row against the same build's F16 run):", "",
+             "| build | commit | CPU flags |", "|---|---|---|"]
+    for b in res["builds"].values():
+        cm = b.get("cmake", {})
+        flags = ", ".join(k.removeprefix("GGML_") for k in ("GGML_NATIVE", "GGML_AVX2", "GGML_AVX512", "GGML_FMA",
+                                                             "GGML_F16C") if cm.get(k) == "ON") or "–"
+        lines.append(f"| {b['name']} | {(b.get('commit') or '–')[:12]} | {flags} |")
+    failed = []
+    for m in MEASURES:
+        rows = res.get(m)
+        if not rows:
+            continue
+        lines += ["", _TITLES[m](res), ""] + _TABLES[m](rows)
+        failed += [r for r in rows if "error" in r]
+    notes = {(r["build"], n) for m in MEASURES for r in res.get(m) or [] for n in r.get("notes", [])}
+    if notes:
+        lines += ["", "What the builds' logs said about their caches:", ""]
+        lines += [f"- {b}: {n}" for b, n in sorted(notes)]
+    if failed:
+        lines += ["", "Runs that did not complete (exactly what happened):", ""]
+        seen = set()
+        for r in failed:
+            if r["config"] in seen:
+                continue
+            seen.add(r["config"])
+            tail = " / ".join(r.get("log_tail", [])[-2:])
+            lines.append(f"- `{r['config']}`: {r['error']}: {tail}")
+    return "\n".join(lines) + "\n"
+
+
+def _title_kld(res: dict) -> str:
+    r = res["kld"][0]
+    return (f"### Prefill quality: llama-perplexity at context {r['ctx']}, {r['chunks']} chunks, --kl-divergence "
+            "against the build's F16")
+
+
+def _rows_kld(rows: list[dict]) -> list[str]:
+    out = ["| configuration | bits/value | PPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | | |")
+        else:
+            out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('ppl'), 3)} | {_f(r.get('kld_mean'), 5)} "
+                       f"| {_f(r.get('kld_p99'))} | {_f(r.get('same_top_p'), 2)} |")
+    return out
+
+
+def _title_decode(res: dict) -> str:
+    r = res["decode"][0]
+    rounds = len(next((x["decode_tps_rounds"] for x in res["decode"] if x.get("decode_tps_rounds")), [0]))
+    return (f"### Decode after a {r['prefill']}-token prompt: rq-probe, {r['steps']} teacher-forced steps; speeds are "
+            f"medians of {rounds} interleaved round(s), ratios over the same build's F16")
+
+
+def _rows_decode(rows: list[dict]) -> list[str]:
+    out = ["| configuration | bits/value | decode KLD | p99 | same top-1 % | prefill t/s | × f16 | decode t/s | × f16 |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | | | | | |")
+            continue
+        out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('kld_mean'), 5)} | {_f(r.get('kld_p99'))} "
+                   f"| {_f(r.get('same_top1_pct'), 1)} | {_f(r.get('prefill_tps'), 1)} "
+                   f"| {_f(r.get('prefill_tps_vs_f16'), 2)} | {_f(r.get('decode_tps'), 2)} "
+                   f"| {_f(r.get('decode_tps_vs_f16'), 2)} |")
+    return out
+
+
+def _title_ttft(res: dict) -> str:
+    r = res["ttft"][0]
+    return (f"### Start-up: seconds from process start to the first token of a {r['prompt']}-token prompt (rq-probe; "
+            "model load, context creation, the prompt), medians")
+
+
+def _rows_ttft(rows: list[dict]) -> list[str]:
+    out = ["| configuration | bits/value | first token s | context creation s | added over the build's F16 s |",
+           "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | |")
+        else:
+            out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('first_token_s'), 2)} | {_f(r.get('ctx_s'), 2)} "
+                       f"| {_f(r.get('added_s'), 2)} |")
+    return out
+
+
+def _title_niah(res: dict) -> str:
+    n = res["niah"][0]["asked"]
+    return f"### Needles: {n} keys per haystack, greedy answers; found / asked over depths and seeds"
+
+
+def _rows_niah(rows: list[dict]) -> list[str]:
+    ctxs = sorted({r["ctx"] for r in rows})
+    out = ["| configuration | bits/value | " + " | ".join(f"ctx {c}" for c in ctxs) + " |",
+           "|---|---:|" + "---:|" * len(ctxs)]
+    for cfg in dict.fromkeys(r["config"] for r in rows):
+        mine = [r for r in rows if r["config"] == cfg]
+        cells = []
+        for c in ctxs:
+            at = [r for r in mine if r["ctx"] == c]
+            bad = [r for r in at if "error" in r]
+            cells.append("–" if not at else f"did not run ({bad[0]['error']})" if bad else
+                         f"{sum(r['found'] for r in at)}/{sum(r['asked'] for r in at)}")
+        out.append(f"| {cfg} | {_bits(mine[0])} | " + " | ".join(cells) + " |")
+    return out
+
+
+_TITLES = {"kld": _title_kld, "decode": _title_decode, "ttft": _title_ttft, "niah": _title_niah}
+_TABLES = {"kld": _rows_kld, "decode": _rows_decode, "ttft": _rows_ttft, "niah": _rows_niah}

@@ -1,0 +1,159 @@
+"""rotaryquant.eval.versus and .builds (rq-eval versus): configurations, the cache sizes builds log, rq-probe
+against our own Python measurement path (its slow twin), failures recorded rather than raised."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from rotaryquant.eval import builds, decode, niah, versus
+
+# --- configurations -------------------------------------------------------------------------------------------
+
+
+def test_config_parses_types_and_flags():
+    c = versus.parse_config("ik:q4_0 -khad -vhad", ["ours", "ik"])
+    assert (c.build, c.k, c.v, c.flags) == ("ik", "q4_0", "q4_0", ("-khad", "-vhad"))
+    assert c.args() == ["-ctk", "q4_0", "-ctv", "q4_0", "-khad", "-vhad"]
+    assert c.label == "ik:q4_0 -khad -vhad" and not c.is_base
+    t = versus.parse_config("turbo:q8_0/turbo3", ["turbo"])
+    assert (t.k, t.v, t.cache) == ("q8_0", "turbo3", "q8_0/turbo3")
+    assert versus.parse_config("ours:f16", ["ours"]).is_base
+
+
+@pytest.mark.parametrize("spec,match", [("ours", "BUILD:K"), ("ours:", "BUILD:K"), ("nope:q8_0", "names build 'nope'")])
+def test_bad_configs_are_refused_by_name(spec, match):
+    with pytest.raises(versus.VersusError, match=match):
+        versus.parse_config(spec, ["ours"])
+
+
+def test_every_build_gets_its_own_f16_first():
+    cs = [versus.parse_config(s, ["a", "b"]) for s in ("b:q4_0", "a:q8_0", "b:f16", "a:q4_0 -x")]
+    assert [c.label for c in versus.with_baselines(cs)] == ["b:f16", "b:q4_0", "a:f16", "a:q8_0", "a:q4_0 -x"]
+
+
+def test_rounds_alternate_order():
+    cs = [versus.Config("a", t, t) for t in ("f16", "q8_0")]
+    assert [(r, c.k) for r, c in versus._rounds_order(cs, 3)] == [
+        (0, "f16"), (0, "q8_0"), (1, "q8_0"), (1, "f16"), (2, "f16"), (2, "q8_0")]
+
+
+# --- bits per value from the log -------------------------------------------------------------------------------
+
+SHAPE = versus.KvShape(n_layer=18, n_head_kv=1, k_len=256, v_len=256)
+
+
+def test_bits_from_upstream_lines_sum_every_cache_and_our_window():
+    log = ("llama_kv_cache: size =    1.17 MiB (  2048 cells,   3 layers,  1/1 seqs), K (isoquant3_0):    0.59 MiB, "
+           "V (isoquant3_0):    0.59 MiB\n"
+           "init_window: recent window = 16 positions (K and V in F16 ...: 32 rows, 0.10 MiB)\n"
+           "llama_kv_cache: size =    1.46 MiB (   768 cells,  15 layers,  1/1 seqs), K (isoquant3_0):    0.73 MiB, "
+           "V (isoquant3_0):    0.73 MiB\n")
+    r = versus.kv_bits(log, SHAPE)
+    values = (2048 * 3 + 768 * 15) * 512
+    assert r["bits_per_value"] == pytest.approx((0.59 * 2 + 0.10 + 0.73 * 2) * 2**23 / values, abs=1e-3)
+    assert r["kv_mib"] == pytest.approx(2.74) and r["logged_types"] == ["isoquant3_0/isoquant3_0"]
+
+
+def test_bits_from_ik_lines_use_its_n_ctx_and_every_layer():
+    log = ("llama_init_from_model: n_ctx         = 4096\n"
+           "llama_init_from_model: KV self size  =   20.25 MiB, K (q4_0):   10.12 MiB, V (q4_0):   10.12 MiB\n"
+           "llama_init_from_model: k_cache_hadam = 1\n")
+    r = versus.kv_bits(log, SHAPE)
+    assert r["bits_per_value"] == pytest.approx(20.24 * 2**23 / (4096 * 18 * 512), abs=1e-3)  # ~4.5
+    assert r["notes"] == ["k_cache_hadam = 1"]
+
+
+def test_a_log_without_size_lines_gives_no_bits():
+    r = versus.kv_bits("something else\n", SHAPE)
+    assert r["bits_per_value"] is None and r["kv_mib"] is None
+
+
+def test_notes_keep_what_a_build_changed_once():
+    log = ("llama_kv_cache: auto-asymmetric: GQA ratio 6:1 (n_head=12, n_head_kv=2) — upgrading K from turbo3 to q8_0\n"
+           "init_k_center: K centring = on, self-calibrated (1024 tokens, 7.2 s; 3 of 3 layers)\n"
+           "init_k_center: K centring = on, self-calibrated (1024 tokens, 8.1 s; 3 of 3 layers)\n")
+    notes = versus.kv_bits(log, SHAPE)["notes"]
+    assert len(notes) == 2 and notes[0].startswith("auto-asymmetric") and "N s" in notes[1]
+
+
+def test_ratios_are_over_the_same_builds_f16_per_round():
+    rows = [{"build": "a", "cache": "f16", "flags": [], "decode_tps": 10.0, "decode_tps_rounds": [10.0, 8.0]},
+            {"build": "a", "cache": "q8_0", "flags": [], "decode_tps": 12.0, "decode_tps_rounds": [11.0, 10.0]},
+            {"build": "b", "cache": "q8_0", "flags": [], "decode_tps": 5.0, "decode_tps_rounds": [5.0]}]
+    versus._ratios(rows, ("decode_tps",))
+    assert rows[1]["decode_tps_vs_f16"] == 1.2 and rows[1]["decode_tps_vs_f16_rounds"] == [1.1, 1.25]
+    assert "decode_tps_vs_f16" not in rows[2]  # build b has no F16 row: no ratio rather than a wrong one
+
+
+# --- builds ---------------------------------------------------------------------------------------------------
+
+
+def test_build_spec_errors_name_the_fix(tmp_path):
+    with pytest.raises(builds.BuildError, match="NAME=BIN_DIR"):
+        builds.parse("just-a-path")
+    with pytest.raises(builds.BuildError, match="no libllama.so"):
+        builds.parse(f"x={tmp_path}")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "libllama.so").write_bytes(b"")
+    with pytest.raises(builds.BuildError, match="not a CMake build folder"):
+        builds.parse(f"x={tmp_path / 'bin'}")
+
+
+def test_our_build_is_found_with_its_api_switches(bin_dir):
+    b = builds.ours()
+    assert {"RQ_PROBE_FA_TYPE", "RQ_PROBE_RQ", "RQ_PROBE_SWA_FULL"} <= b.features
+    assert "RQ_PROBE_HAD" not in b.features and "RQ_PROBE_BATCH4" not in b.features
+    assert b.tool("llama-cli-missing", "llama-perplexity").name == "llama-perplexity"
+    assert b.describe()["cmake"]["CMAKE_BUILD_TYPE"] == "Release"
+
+
+def test_probe_refuses_a_flag_this_build_lacks(bin_dir, smollm2, tmp_path):
+    probe = builds.probe(builds.ours())
+    (tmp_path / "t.txt").write_text("1 2 3 4\n")
+    p = subprocess.run([str(probe), "decode", "-m", str(smollm2), "-c", "256", "--tokens", str(tmp_path / "t.txt"),
+                        "--prefill", "2", "--steps", "1", "-khad"], capture_output=True, text=True)
+    assert p.returncode == 2 and "unknown flag for this build: -khad" in p.stderr
+
+
+# --- rq-probe against our Python path (the slow twin) ---------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_probe_decode_logits_equal_the_python_decode_path(bin_dir, smollm2, text_file, tmp_path):
+    n, m = 40, 3
+    toks = decode.text_tokens(smollm2, text_file, n + m + 1)
+    ref = decode.run_once(smollm2, toks, n=n, m=m, cache="f16", threads=2)["logits"]
+    tf = versus._tokens_file(tmp_path / "t.txt", toks)
+    out = tmp_path / "l.f32"
+    cfg = versus.Config("ours", "f16", "f16")
+    cmd = versus._probe_cmd(builds.ours(), "decode", smollm2, 256, cfg, 2, "--tokens", str(tf), "--prefill", str(n),
+                            "--steps", str(m), "--logits", str(out))
+    subprocess.run(cmd, check=True, capture_output=True)
+    got = np.fromfile(out, np.float32).reshape(ref.shape)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.slow
+def test_probe_needles_answer_as_the_python_needles(bin_dir, smollm2, text_file):
+    kw = dict(ctxs=[1024], depths=[0.5], n_needles=2, threads=2, progress=lambda _: None)
+    mine = versus.niah({"ours": builds.ours()}, [versus.Config("ours", "f16", "f16")], smollm2, text_file, **kw)
+    ref = niah.run(smollm2, text_file, cache_types=["f16"], **kw)["rows"]
+    assert [r["found"] for r in mine] == [r["found"] for r in ref]
+    assert mine[0]["answers"] == ref[0]["answers"]
+
+
+@pytest.mark.slow
+def test_a_config_that_cannot_run_is_recorded_not_raised(bin_dir, smollm2, text_file):
+    cfgs = [versus.Config("ours", "no_such_type", "no_such_type")]
+    rows = versus.decode({"ours": builds.ours()}, cfgs, smollm2, text_file, prefill=8, steps=2,
+                         progress=lambda _: None)
+    bad = next(r for r in rows if r["cache"] == "no_such_type")
+    assert bad["error"] == "exit 2" and "this build has no cache type 'no_such_type'" in bad["log_tail"][-1]
+    assert "rq-probe decode" in bad["command"]
+    good = next(r for r in rows if r["cache"] == "f16")
+    assert good["kld_mean"] == 0.0 and good["decode_tps_vs_f16"] == 1.0
+    md = versus.to_markdown({"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
+    assert "did not run (exit 2)" in md and "this build has no cache type" in md
