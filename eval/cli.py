@@ -176,11 +176,16 @@ def cmd_versus(ns: argparse.Namespace) -> None:
         raise RQError(f"--measure: unknown {', '.join(unknown)}; known: {', '.join(versus.MEASURES)}")
     used = {c.build for c in configs}
     res: dict = {"model": model.name, "text": data.evaluation_text().name, "threads": ns.threads,
-                 "argv": ns.argv, "builds": {n: b.describe() for n, b in blds.items() if n in used}}
+                 "runs": [["rq-eval", *ns.argv]], "builds": {n: b.describe() for n, b in blds.items() if n in used}}
     text = data.evaluation_text()
 
+    old = json.loads(ns.out.with_suffix(".json").read_text()) if ns.merge and ns.out.with_suffix(".json").exists() \
+        else {}
+    if old and old.get("model") != model.name:
+        raise RQError(f"--merge: {ns.out}.json is for {old.get('model')}, not {model.name}")
+
     def save() -> None:  # after every measurement: a long unattended run keeps what it finished
-        _write(ns.out, res, versus.to_markdown(res), echo=False)
+        _write(ns.out, versus.merge(old, res), versus.to_markdown(versus.merge(old, res)), echo=False)
 
     for m in measures:
         if m == "kld":
@@ -195,7 +200,41 @@ def cmd_versus(ns: argparse.Namespace) -> None:
                                       depths=_floats(ns.depths, "--depths"), seeds=_ints(ns.seeds, "--seeds"),
                                       threads=ns.threads)
         save()
-    print(versus.to_markdown(res))
+    print(versus.to_markdown(versus.merge(old, res)))
+
+
+def cmd_versus_weights(ns: argparse.Namespace) -> None:
+    from rotaryquant.eval import versus_weights as vw
+
+    model = _model(ns, assets.CHAT_ISO_MODEL)
+    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
+    if "ours" not in blds:
+        blds = {"ours": builds_mod.ours(), **blds}
+    variants = [vw.parse_variant(v, list(blds)) for v in ns.variant]
+    if not variants:
+        raise RQError("no --variant given", fix="add e.g. --variant 'ik:IQ3_KT+imat'")
+    out = ns.out.with_suffix(".json")
+    res = json.loads(out.read_text()) if ns.merge and out.exists() else {}
+    if res and res.get("model") != model.name:
+        raise RQError(f"--merge: {out} is for {res.get('model')}, not {model.name}")
+    used = {v.build for v in variants}
+    res.update({"model": model.name, "ctx": ns.ctx, "chunks": ns.chunks, "calib_tokens": ns.imatrix_chunks * ns.ctx,
+                "builds": {**res.get("builds", {}), **{n: b.describe() for n, b in blds.items() if n in used}},
+                "runs": [*res.get("runs", []), ["rq-eval", *ns.argv]]})
+    work = ns.workdir or paths.build_dir() / "versus-weights" / model.stem
+    labels = {v.label for v in variants}
+    measures = _names(ns.measure)
+    if "quality" in measures:
+        rows = vw.quality(blds, variants, model, work, data.evaluation_text(), data.calibration_text(), ctx=ns.ctx,
+                          chunks=ns.chunks, imatrix_chunks=ns.imatrix_chunks, threads=ns.threads)
+        res["quality"] = [r for r in res.get("quality", []) if r["label"] not in labels] + rows
+        _write(ns.out, res, vw.to_markdown(res), echo=False)
+    if "speed" in measures:
+        rows = vw.speed(blds, variants, model, work, threads=_ints(ns.speed_threads, "--speed-threads"),
+                        rounds=ns.rounds)
+        done = {(r["build"], r["threads"]) for r in rows}
+        res["speed"] = [r for r in res.get("speed", []) if (r["build"], r["threads"]) not in done] + rows
+    _write(ns.out, res, vw.to_markdown(res))
 
 
 def cmd_gate(ns: argparse.Namespace) -> None:
@@ -402,6 +441,25 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
     vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
     vs.add_argument("--seeds", default="42", help="niah: seeds")
+    vs.add_argument("--merge", action="store_true",
+                    help="keep the existing output's rows of the builds this run does not measure (same model)")
+
+    vw = add("versus-weights", "weight types of other llama.cpp builds beside ours: each build quantises the same F16 "
+             "with its own tools and importance matrix; KLD vs its own F16, t/s vs its own Q4_K_M", cmd_versus_weights,
+             out="versus-weights-qwen", model="GGUF to requantise (default: Qwen2.5-Coder-1.5B, the optional asset)")
+    vw.add_argument("--build", action="append", default=[], metavar="NAME=BIN_DIR", help="a build's bin folder")
+    vw.add_argument("--variant", action="append", default=[], metavar="'BUILD:FTYPE[+imat] [ARGS]'",
+                    help="llama-quantize type of that build, +imat: with its importance matrix; ARGS go to its "
+                         "llama-quantize (e.g. --custom-q for a mixture)")
+    vw.add_argument("--measure", default="quality,speed", help="quality, speed or both")
+    vw.add_argument("--ctx", type=int, default=512, help="perplexity and importance-matrix context")
+    vw.add_argument("--chunks", type=int, default=10, help="perplexity chunks")
+    vw.add_argument("--imatrix-chunks", type=int, default=weights.CALIB_TOKENS // 512, help="importance-matrix chunks")
+    vw.add_argument("--speed-threads", default="1,2", help="llama-bench thread counts")
+    vw.add_argument("-r", "--rounds", type=int, default=3, help="llama-bench interleaved rounds")
+    vw.add_argument("--workdir", type=Path, help="F16 file, logits, importance matrices and quantised files "
+                                                 "(default: build/versus-weights/MODEL)")
+    vw.add_argument("--merge", action="store_true", help="keep the existing output's other rows")
 
     g = add("gate", "12-prompt quality gate (instruction model): pass/fail per KV type", cmd_gate, out="gate",
             model="GGUF of an instruction model (default: Qwen2.5-Coder-1.5B-Instruct, the optional asset; "

@@ -407,6 +407,21 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
     return rows
 
 
+def merge(old: dict, new: dict) -> dict:
+    """new, plus old's rows (per measurement) of the builds new did not measure there: builds measured in separate
+    runs share one file, each still against its own F16."""
+    if not old:
+        return new
+    out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
+    for m in MEASURES:
+        ran = {r["build"] for r in new.get(m) or []}
+        kept = [r for r in old.get(m) or [] if r["build"] not in ran]
+        if kept or new.get(m):
+            out[m] = kept + list(new.get(m) or [])
+    out["runs"] = [*old.get("runs", []), *new.get("runs", [])]
+    return out
+
+
 # --- rendering --------------------------------------------------------------------------------------------------
 
 def _f(x: float | None, nd: int = 4) -> str:

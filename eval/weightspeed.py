@@ -37,8 +37,18 @@ class FileInfo:
     types: dict[str, int]  # tensor type -> parameters stored in it
 
 
-def file_info(path: Path) -> FileInfo:
-    """What a GGUF holds: its tensor types by parameter count and its bits per weight."""
+def file_info(path: Path, foreign: bool = False) -> FileInfo:
+    """What a GGUF holds: its tensor types by parameter count and its bits per weight. ``foreign``: a file of another
+    build (its type ids may mean other types here): types by id, bytes from the data offsets."""
+    if foreign:
+        from rotaryquant.gguf_io import read_header
+
+        h = read_header(path, foreign=True)
+        by_id: dict[str, int] = {}
+        for t in h.tensors:
+            by_id[f"type {t.type}"] = by_id.get(f"type {t.type}", 0) + t.n
+        return FileInfo(path.name, round(path.stat().st_size / 2**20, 1), h.n_params, 8 * h.data_bytes / h.n_params,
+                        dict(sorted(by_id.items(), key=lambda kv: -kv[1])))
     r = gguf.GGUFReader(str(path))
     types: dict[str, int] = {}
     n_bytes = 0
@@ -86,7 +96,7 @@ Runner = Callable[[Path], dict[str, float]]
 
 def measure(files: Sequence[Path], *, rounds: int = 5, n_prompt: int = 512, n_gen: int = 128, threads: int = 2,
             bench: Path | None = None, timeout: float = 3600, runner: Runner | None = None,
-            progress: Callable[[str], None] = print) -> dict:
+            progress: Callable[[str], None] = print, foreign: bool = False) -> dict:
     """rounds x (every file once, in the order given); the first file is the baseline of the ratios.
     Every file is checked before the first run: a missing one stops it with nothing measured."""
     files = [Path(f) for f in files]
@@ -99,7 +109,7 @@ def measure(files: Sequence[Path], *, rounds: int = 5, n_prompt: int = 512, n_ge
         raise WeightSpeedError(f"no such file: {', '.join(missing)}")
     if len({f.name for f in files}) != len(files):
         raise WeightSpeedError("two files share a name; the results are keyed by file name")
-    infos = [file_info(f) for f in files]
+    infos = [file_info(f, foreign) for f in files]
     if runner is None:
         exe = bench or tools.binary("llama-bench")
         def runner(f: Path) -> dict[str, float]:

@@ -174,11 +174,14 @@ class _Buf:
         return self.unpack(_SCALAR[vtype])
 
 
-def read_header(path: str | Path, *, cls: type[H] = Header, model: bool = True) -> H:  # type: ignore[assignment]
+def read_header(path: str | Path, *, cls: type[H] = Header, model: bool = True,
+                foreign: bool = False) -> H:  # type: ignore[assignment]
     """Parse a GGUF file's metadata and tensor infos; a GGUFError that names the file when it cannot.
 
     ``model``: also require a whole model file (an architecture, not one shard of a split GGUF).
     ``cls``: the Header subclass to return (its extra fields keep their defaults).
+    ``foreign``: a file of another build, whose type ids may mean other types here (ik_llama.cpp's IQ3_KT): every
+    tensor is sized by the data offsets (the next tensor's, or the file's end; alignment padding included).
     """
     path = Path(path).expanduser()
     try:
@@ -223,9 +226,10 @@ def read_header(path: str | Path, *, cls: type[H] = Header, model: bool = True) 
         raise GGUFError(f"{path} is one shard of a split GGUF", fix="merge it first (llama-gguf-split --merge)")
     align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
     data_offset = b.pos + (-b.pos % align)
+    ends = sorted({t.offset for t in tensors} | {size - data_offset})
     for t in tensors:
         try:
-            t.nbytes = tensor_bytes(t.type, t.ne)
+            t.nbytes = next(e for e in ends if e > t.offset) - t.offset if foreign else tensor_bytes(t.type, t.ne)
         except Exception:  # noqa: BLE001
             raise GGUFError(f"{bad} (tensor {t.name} has unknown type id {t.type})",
                             fix="it needs a llama.cpp with that type") from None

@@ -157,3 +157,25 @@ def test_a_config_that_cannot_run_is_recorded_not_raised(bin_dir, smollm2, text_
     assert good["kld_mean"] == 0.0 and good["decode_tps_vs_f16"] == 1.0
     md = versus.to_markdown({"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
     assert "did not run (exit 2)" in md and "this build has no cache type" in md
+
+
+# --- weight variants ------------------------------------------------------------------------------------------
+
+
+def test_weight_variants_parse_type_imatrix_and_quantize_args():
+    from rotaryquant.eval import versus_weights as vw
+
+    v = vw.parse_variant("ik:IQ3_KT+imat --custom-q ffn_down=iq4_kt", ["ik"])
+    assert (v.build, v.ftype, v.imatrix, v.args) == ("ik", "IQ3_KT", True, ("--custom-q", "ffn_down=iq4_kt"))
+    assert v.label == "ik:IQ3_KT+imat --custom-q ffn_down=iq4_kt" and "/" not in v.file_label
+    assert not vw.parse_variant("ik:IQ3_K", ["ik"]).imatrix
+    with pytest.raises(versus.VersusError, match="names build"):
+        vw.parse_variant("x:IQ3_K", ["ik"])
+
+
+def test_merge_keeps_other_builds_rows():
+    old = {"builds": {"a": {}, "b": {}}, "kld": [{"build": "a", "x": 1}, {"build": "b", "x": 2}], "runs": [["r1"]]}
+    new = {"builds": {"b": {}}, "kld": [{"build": "b", "x": 3}], "runs": [["r2"]]}
+    m = versus.merge(old, new)
+    assert m["kld"] == [{"build": "a", "x": 1}, {"build": "b", "x": 3}] and m["runs"] == [["r1"], ["r2"]]
+    assert set(m["builds"]) == {"a", "b"} and versus.merge({}, new) is new

@@ -1,0 +1,180 @@
+"""Weight types beside the alternatives: each build quantises the same F16 file with its own llama-quantize (and its
+own importance matrix from the same calibration tokens), and scores the result with its own llama-perplexity against
+its own F16 logits; speed is llama-bench of the same build over its own Q4_K_M, in interleaved rounds.
+
+A variant is "BUILD:FTYPE[+imat] [llama-quantize ARGS...]" (``ik:IQ3_KT+imat``, ``ik:IQ3_KT+imat --custom-q
+ffn_down=iq4_kt``). The F16 file is the requantisation rq-eval weights makes (rotaryquant.eval.weights), with the same
+context, chunks and calibration tokens, so rows of ``rq-eval weights`` on our build sit beside these.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rotaryquant.eval import builds as B
+from rotaryquant.eval import perplexity, weights, weightspeed
+from rotaryquant.eval.versus import VersusError, _failure, _run
+
+
+@dataclass(frozen=True)
+class WVariant:
+    build: str
+    ftype: str
+    imatrix: bool = False
+    args: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.build}:{self.ftype}" + ("+imat" if self.imatrix else "") + "".join(" " + a for a in self.args)
+
+    @property
+    def file_label(self) -> str:
+        return weights._file_label(self.label.replace(":", "-").replace(" ", "_"))[:120]
+
+
+def parse_variant(spec: str, names: Sequence[str]) -> WVariant:
+    name, sep, rest = spec.partition(":")
+    words = shlex.split(rest)
+    if not sep or not words:
+        raise VersusError(f"a weight variant is BUILD:FTYPE[+imat] [ARGS...], got {spec!r}")
+    if name not in names:
+        raise VersusError(f"variant {spec!r} names build {name!r}; builds given: {', '.join(names)}",
+                          fix="add --build NAME=BIN_DIR for it")
+    ftype, imat = words[0].removesuffix("+imat"), words[0].endswith("+imat")
+    return WVariant(name, ftype, imat, tuple(words[1:]))
+
+
+def _imatrix_name(b: B.Build) -> str:
+    """The file name the build's llama-imatrix writes in a format its llama-quantize reads: GGUF where the tool knows
+    --output-format (upstream), the legacy .dat otherwise (ik_llama.cpp)."""
+    h = subprocess.run([str(b.tool("llama-imatrix")), "--help"], capture_output=True, text=True, env=B.run_env())
+    return f"{b.name}.imatrix.gguf" if "output-format" in h.stdout + h.stderr else f"{b.name}.imatrix.dat"
+
+
+def _check(rc: int, out: str, err: str, cmd: list[str], what: str) -> None:
+    if rc != 0:
+        f = _failure(rc, out + err, cmd)
+        raise VersusError(f"{what} failed ({f['error']}): " + " / ".join(f["log_tail"][-3:]))
+
+
+def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, work: Path, eval_text: Path,
+            calib_text: Path, *, ctx: int = 512, chunks: int = 10, imatrix_chunks: int = 8, threads: int = 2,
+            progress: Callable[[str], None] = print) -> list[dict]:
+    """Per build: F16 logits, an importance matrix if a variant needs one, then each variant quantised and scored.
+    Quantised files stay in ``work`` (the speed rounds read them); a variant that fails is a row with its error."""
+    work.mkdir(parents=True, exist_ok=True)
+    f16 = weights.requantize_f16(src, work / f"{src.stem}.F16.gguf")
+    n_params = weights._n_params(f16)
+    rows = []
+    for name in dict.fromkeys(v.build for v in variants):
+        b = builds[name]
+        base = work / f"{name}.F16.c{ctx}x{chunks}.kld"
+        ppl_cmd = [str(b.tool("llama-perplexity")), "-f", str(eval_text), "-c", str(ctx), "--chunks", str(chunks),
+                   "-t", str(threads)]
+        if not base.exists():
+            progress(f"[rq-eval versus-weights] {name}: F16 logits")
+            tmp = base.with_suffix(".partial")
+            cmd = [*ppl_cmd, "-m", str(f16), "--kl-divergence-base", str(tmp)]
+            rc, out, err, _ = _run(cmd)
+            _check(rc, out, err, cmd, f"{name} llama-perplexity on F16")
+            tmp.replace(base)
+        imat = work / _imatrix_name(b)
+        if any(v.imatrix for v in variants if v.build == name) and not imat.exists():
+            progress(f"[rq-eval versus-weights] {name}: importance matrix ({imatrix_chunks} x {ctx} tokens)")
+            tmp = imat.with_name("partial-" + imat.name)
+            cmd = [str(b.tool("llama-imatrix")), "-m", str(f16), "-f", str(calib_text), "-o", str(tmp), "--chunks",
+                   str(imatrix_chunks), "-c", str(ctx), "-t", str(threads)]
+            rc, out, err, _ = _run(cmd)
+            _check(rc, out, err, cmd, f"{name} llama-imatrix")
+            tmp.replace(imat)
+        for v in (v for v in variants if v.build == name):
+            progress(f"[rq-eval versus-weights] {v.label}")
+            q = work / f"{v.file_label}.gguf"
+            row: dict = {"label": v.label, "build": name, "ftype": v.ftype, "imatrix": v.imatrix, "args": list(v.args),
+                         "ctx": ctx, "chunks": chunks, "calib_tokens": imatrix_chunks * ctx, "file": q.name}
+            t0 = time.time()
+            cmd = [str(b.tool("llama-quantize")), *(["--imatrix", str(imat)] if v.imatrix else []), *v.args,
+                   str(f16), str(q) + ".partial", v.ftype, str(threads)]
+            row["quantize_command"] = shlex.join(cmd)
+            rc, out, err, _ = _run(cmd)
+            if rc != 0:
+                rows.append({**row, **_failure(rc, out + err, cmd)})
+                continue
+            Path(str(q) + ".partial").replace(q)
+            row["quantize_s"] = round(time.time() - t0, 1)
+            cmd = [*ppl_cmd, "-m", str(q), "--kl-divergence-base", str(base), "--kl-divergence"]
+            rc, out, err, secs = _run(cmd)
+            row["command"] = shlex.join(cmd)
+            if rc != 0:
+                rows.append({**row, **_failure(rc, out + err, cmd)})
+                continue
+            r = perplexity.parse_output(v.label, out + err)
+            row.update({"bytes": q.stat().st_size, "bpw": round(8 * q.stat().st_size / n_params, 4), "ppl": r.ppl,
+                        "ppl_base": perplexity._grab(r"Mean PPL\(base\)\s*:\s*" + perplexity._NUM, out + err), "kld_mean": r.kld_mean, "kld_p99": r.kld_p99, "same_top_p": r.same_top_p,
+                        "ppl_ratio": r.ppl_ratio, "seconds": round(secs, 1)})
+            rows.append(row)
+            progress(f"[rq-eval versus-weights]   {row['bpw']:.3f} bpw, KLD {r.kld_mean:.4f}, p99 {r.kld_p99:.3f}")
+    return rows
+
+
+def speed(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, work: Path, *,
+          threads: Sequence[int] = (1, 2), rounds: int = 3, n_prompt: int = 512, n_gen: int = 64,
+          baseline: str = "Q4_K_M", progress: Callable[[str], None] = print) -> list[dict]:
+    """Per build and thread count: llama-bench over the build's own `baseline` quantisation of the F16 file first, then
+    each variant's file (quality() made them), in interleaved rounds; ratios are to the baseline in the same round."""
+    f16 = work / f"{src.stem}.F16.gguf"
+    out = []
+    for name in dict.fromkeys(v.build for v in variants):
+        b = builds[name]
+        base = work / f"{name}-{baseline}.gguf"
+        if not base.exists():
+            progress(f"[rq-eval versus-weights] {name}: {baseline} for the speed baseline")
+            cmd = [str(b.tool("llama-quantize")), str(f16), str(base) + ".partial", baseline, "2"]
+            rc, o, e, _ = _run(cmd)
+            _check(rc, o, e, cmd, f"{name} llama-quantize {baseline}")
+            Path(str(base) + ".partial").replace(base)
+        files = [base, *(f for v in variants if v.build == name and (f := work / f"{v.file_label}.gguf").exists())]
+        for t in threads:
+            res = weightspeed.measure(files, rounds=rounds, n_prompt=n_prompt, n_gen=n_gen, threads=t,
+                                      bench=b.tool("llama-bench"), progress=progress, foreign=name != "ours")
+            labels = {f"{v.file_label}.gguf": v.label for v in variants}
+            for r in res["rows"]:
+                r["label"] = labels.get(r["file"]["name"], f"{name}:{baseline}")
+                r["build"], r["threads"] = name, t
+            out += res["rows"]
+    return out
+
+
+def to_markdown(res: dict) -> str:
+    def f(x: float | None, nd: int = 4) -> str:
+        return "–" if x is None else f"{x:.{nd}f}"
+
+    lines = [f"## Weight types beside the alternatives: {res['model']}", "",
+             f"Each build quantises the same F16 requantisation with its own llama-quantize (+imat: its own llama-imatrix "
+             f"over the first {res['calib_tokens']} tokens of the calibration slice) and scores it with its own "
+             f"llama-perplexity (ctx {res['ctx']}, {res['chunks']} chunks of the evaluation slice) against its own F16 "
+             "logits. bpw: file bytes × 8 / parameters.", "",
+             "| variant | bpw | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in res.get("quality", []):
+        if "error" in r:
+            lines.append(f"| {r['label']} | – | did not run ({r['error']}: {' / '.join(r['log_tail'][-1:])}) | | | | |")
+            continue
+        d = r["ppl"] - r["ppl_base"] if r.get("ppl_base") is not None else None
+        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
+                     f"| {f(r['kld_mean'])} | {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} |")
+    sp = res.get("speed") or []
+    if sp:
+        lines += ["", "Speed: llama-bench of the same build, interleaved rounds; ratio = median of the per-round ratios "
+                  "to that build's Q4_K_M (made by its own llama-quantize from the same F16).", "",
+                  "| variant | threads | pp t/s | pp × Q4_K_M | tg t/s | tg × Q4_K_M |", "|---|---:|---:|---:|---:|---:|"]
+        for r in sp:
+            pp, tg = r.get("pp") or {}, r.get("tg") or {}
+            lines.append(f"| {r['label']} | {r['threads']} | {f(pp.get('median'), 2)} "
+                         f"| {f((pp.get('ratio') or {}).get('median'), 3)} | {f(tg.get('median'), 2)} "
+                         f"| {f((tg.get('ratio') or {}).get('median'), 3)} |")
+    return "\n".join(lines) + "\n"
