@@ -1,7 +1,8 @@
 """Beside the alternatives: the same measurements through every build's own binaries, each against its own F16.
 
 Builds (ours, stock llama.cpp, forks) are named NAME=BIN_DIR (rotaryquant.eval.builds). A configuration is
-"BUILD:K[/V] [FLAGS...]", the cache types and flags as that build's own tools take them (``ik:q4_0 -khad -vhad``);
+"BUILD:K[/V] [FLAGS...]", the cache types and flags as that build's own tools take them (``ik:q4_0 -khad -vhad``;
+a NAME=VALUE word is that run's environment instead, e.g. ``ours:isoquant3_0 GGML_RQ_CPU_AVX512=0``);
 every build used also runs "BUILD:f16", the baseline its rows are scored against, because different builds give
 slightly different F16 logits. Four measurements:
 
@@ -20,6 +21,7 @@ upgraded, heads padded) are kept beside each row.
 
 from __future__ import annotations
 
+import re
 import shlex
 import statistics
 import subprocess
@@ -64,7 +66,14 @@ class Config:
         return self.k == self.v == BASE and not self.flags
 
     def args(self) -> list[str]:
-        return ["-ctk", self.k, "-ctv", self.v, *self.flags]
+        return ["-ctk", self.k, "-ctv", self.v, *(f for f in self.flags if not _ENV.match(f))]
+
+    def env(self) -> dict[str, str]:
+        """NAME=VALUE words of the configuration: that run's environment (e.g. GGML_RQ_CPU_AVX512=0)."""
+        return dict(f.split("=", 1) for f in self.flags if _ENV.match(f))
+
+
+_ENV = re.compile(r"^[A-Z][A-Z0-9_]*=")
 
 
 def parse_config(spec: str, names: Sequence[str]) -> Config:
@@ -128,8 +137,6 @@ _NOTE = (r"auto-asymmetric|Boundary V|zero-padding|require flash_attn|_hadam|K c
 def kv_bits(log: str, shape: KvShape) -> dict:
     """Bits per value of the KV cache a run allocated, from the size lines its log printed (upstream's per-cache
     line, or ik_llama.cpp's "KV self size" with its n_ctx), and the build's notes about its cache."""
-    import re
-
     mib, values, types = 0.0, 0, set()
     for cells, layers, kt, km, vt, vm in re.findall(_UPSTREAM, log):
         mib += float(km) + float(vm)
@@ -151,10 +158,10 @@ def kv_bits(log: str, shape: KvShape) -> dict:
 
 # --- running one program --------------------------------------------------------------------------------------
 
-def _run(cmd: list[str], timeout: float = TIMEOUT) -> tuple[int, str, str, float]:
+def _run(cmd: list[str], timeout: float = TIMEOUT, env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env=B.run_env(), timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**B.run_env(), **(env or {})}, timeout=timeout)
         return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -162,11 +169,15 @@ def _run(cmd: list[str], timeout: float = TIMEOUT) -> tuple[int, str, str, float
         return -9, out, err + f"\n(timed out after {timeout:.0f} s)", time.perf_counter() - t0
 
 
-def _failure(rc: int, log: str, cmd: list[str]) -> dict:
-    """What happened, for a row that did not run: the exit, the log's last lines, the command."""
+def _failure(rc: int, log: str) -> dict:
+    """What happened, for a row that did not run (beside its command): the exit and the log's last lines."""
     what = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
     tail = [x for x in log.strip().splitlines() if x.strip()][-8:]
-    return {"error": what, "log_tail": tail, "command": shlex.join(cmd)}
+    return {"error": what, "log_tail": tail}
+
+
+def _cmdline(cfg: Config, cmd: list[str]) -> str:
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in cfg.env().items()), shlex.join(cmd)])
 
 
 def _json_line(out: str) -> dict:
@@ -206,17 +217,17 @@ def kld(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text
                     continue
                 cmd.append("--kl-divergence")
             progress(f"[rq-eval versus] kld ctx {ctx}: {cfg.label}")
-            rc, out, err, secs = _run(cmd)
+            rc, out, err, secs = _run(cmd, env=cfg.env())
             row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags), "ctx": ctx,
-                   "chunks": chunks, "command": shlex.join(cmd), "seconds": round(secs, 1), **kv_bits(err, shape)}
+                   "chunks": chunks, "command": _cmdline(cfg, cmd), "seconds": round(secs, 1), **kv_bits(out + err, shape)}
             if rc != 0:
-                row.update(_failure(rc, out + err, cmd))
+                row.update(_failure(rc, out + err))
             else:
                 try:
                     r = perplexity.parse_output(cfg.label, out + err)
                     row.update({k: getattr(r, k) for k in ("ppl", "kld_mean", "kld_p99", "kld_max", "same_top_p")})
                 except perplexity.PerplexityError as e:
-                    row.update(_failure(rc, str(e), cmd))
+                    row.update(_failure(rc, str(e)))
             rows.append(row)
             if "error" in row:
                 progress(f"[rq-eval versus]   failed: {row['error']}: {(row.get('log_tail') or [''])[-1]}")
@@ -261,11 +272,11 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
             cmd = _probe_cmd(builds[cfg.build], "decode", model, n_ctx, cfg, threads, "--tokens", str(tok_file),
                              "--prefill", str(prefill), "--steps", str(steps),
                              *(["--logits", str(logits)] if rnd == 0 else []))
-            rc, out, err, _ = _run(cmd)
+            rc, out, err, _ = _run(cmd, env=cfg.env())
             if rnd == 0:
-                first[cfg] = {"command": shlex.join(cmd), **kv_bits(err, shape)}
+                first[cfg] = {"command": _cmdline(cfg, cmd), **kv_bits(out + err, shape)}
             if rc != 0:
-                first[cfg].update(_failure(rc, out + err, cmd))
+                first[cfg].update(_failure(rc, out + err))
                 progress(f"[rq-eval versus]   failed: {first[cfg]['error']}: {first[cfg]['log_tail'][-1:]}")
                 continue
             t = _json_line(out)
@@ -325,12 +336,12 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
             progress(f"[rq-eval versus] ttft: {cfg.label} (round {rnd + 1}/{rounds})")
             cmd = _probe_cmd(builds[cfg.build], "decode", model, 4096, cfg, threads, "--tokens", str(tok_file),
                              "--prefill", str(prompt), "--steps", "0")
-            rc, out, err, wall = _run(cmd)
+            rc, out, err, wall = _run(cmd, env=cfg.env())
             if cfg not in rows:
                 rows[cfg] = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags),
-                             "prompt": prompt, "command": shlex.join(cmd), **kv_bits(err, kv_shape(model))}
+                             "prompt": prompt, "command": _cmdline(cfg, cmd), **kv_bits(out + err, kv_shape(model))}
             if rc != 0:
-                rows[cfg].update(_failure(rc, out + err, cmd))
+                rows[cfg].update(_failure(rc, out + err))
                 continue
             t = _json_line(out)
             times[cfg].append({"first_token_s": t["first_token_s"], "ctx_s": t["ctx_s"], "wall_s": wall})
@@ -382,13 +393,13 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
                             progress(f"[rq-eval versus] niah ctx {ctx} seed {seed} depth {depth:.0%}: {cfg.label}")
                             cmd = _probe_cmd(builds[cfg.build], "niah", model, ctx, cfg, threads, "--tokens", str(hay),
                                              "--questions", str(qs), "--answer", str(answer))
-                            rc, out, err, secs = _run(cmd)
+                            rc, out, err, secs = _run(cmd, env=cfg.env())
                             row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache,
                                    "flags": list(cfg.flags), "ctx": ctx, "seed": seed, "depth": depth,
-                                   "asked": len(pairs), "seconds": round(secs, 1), "command": shlex.join(cmd),
-                                   **kv_bits(err, shape)}
+                                   "asked": len(pairs), "seconds": round(secs, 1), "command": _cmdline(cfg, cmd),
+                                   **kv_bits(out + err, shape)}
                             if rc != 0:
-                                row.update(_failure(rc, out + err, cmd))
+                                row.update(_failure(rc, out + err))
                             else:
                                 lines = [x for x in out.strip().splitlines() if not x.startswith("{")]
                                 answers = []

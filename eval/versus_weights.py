@@ -58,7 +58,7 @@ def _imatrix_name(b: B.Build) -> str:
 
 def _check(rc: int, out: str, err: str, cmd: list[str], what: str) -> None:
     if rc != 0:
-        f = _failure(rc, out + err, cmd)
+        f = _failure(rc, out + err)
         raise VersusError(f"{what} failed ({f['error']}): " + " / ".join(f["log_tail"][-3:]))
 
 
@@ -103,7 +103,7 @@ def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path,
             row["quantize_command"] = shlex.join(cmd)
             rc, out, err, _ = _run(cmd)
             if rc != 0:
-                rows.append({**row, **_failure(rc, out + err, cmd)})
+                rows.append({**row, **_failure(rc, out + err), "command": shlex.join(cmd)})
                 continue
             Path(str(q) + ".partial").replace(q)
             row["quantize_s"] = round(time.time() - t0, 1)
@@ -111,7 +111,7 @@ def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path,
             rc, out, err, secs = _run(cmd)
             row["command"] = shlex.join(cmd)
             if rc != 0:
-                rows.append({**row, **_failure(rc, out + err, cmd)})
+                rows.append({**row, **_failure(rc, out + err)})
                 continue
             r = perplexity.parse_output(v.label, out + err)
             row.update({"bytes": q.stat().st_size, "bpw": round(8 * q.stat().st_size / n_params, 4), "ppl": r.ppl,

@@ -179,3 +179,10 @@ def test_merge_keeps_other_builds_rows():
     m = versus.merge(old, new)
     assert m["kld"] == [{"build": "a", "x": 1}, {"build": "b", "x": 3}] and m["runs"] == [["r1"], ["r2"]]
     assert set(m["builds"]) == {"a", "b"} and versus.merge({}, new) is new
+
+
+def test_environment_words_are_the_runs_environment_not_flags():
+    c = versus.parse_config("ours:isoquant3_0 GGML_RQ_CPU_AVX512=0 --kv-window 0", ["ours"])
+    assert c.args() == ["-ctk", "isoquant3_0", "-ctv", "isoquant3_0", "--kv-window", "0"]
+    assert c.env() == {"GGML_RQ_CPU_AVX512": "0"}
+    assert versus._cmdline(c, ["probe", "x y"]) == "GGML_RQ_CPU_AVX512=0 probe 'x y'"
