@@ -54,6 +54,12 @@ class Build:
         raise BuildError(f"build {self.name} ({self.bin_dir}) has none of {', '.join(names)}",
                          fix="build those targets in that folder")
 
+    def log_flags(self, tool: str) -> list[str]:
+        """What makes the tool log libllama's info lines (the KV cache size): newer tools print only warnings unless
+        asked (-lv 4); older ones print everything."""
+        h = subprocess.run([str(self.tool(tool)), "--help"], capture_output=True, text=True, env=run_env())
+        return ["-lv", "4"] if "-lv," in h.stdout + h.stderr else []
+
     def describe(self) -> dict:
         return {"name": self.name, "bin_dir": str(self.bin_dir), "src": str(self.src), "commit": self.commit,
                 "features": sorted(self.features), "cmake": cmake_flags(self.bin_dir.parent)}

@@ -126,7 +126,8 @@ def kv_shape(model: Path) -> KvShape:
                    one("attention.value_length", k_len))
 
 
-_UPSTREAM = (r"size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,[^)]*\), "
+# cells are per stream (one per sequence unless the cache is unified): "N/S seqs" is n_seq_max/n_stream
+_UPSTREAM = (r"size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*\d+/(\d+) seqs\), "
              r"K \(([^)]+)\):\s*([\d.]+) MiB, V \(([^)]+)\):\s*([\d.]+) MiB")
 _IK = r"KV self size\s*=\s*[\d.]+ MiB, K \(([^)]+)\):\s*([\d.]+) MiB, V \(([^)]+)\):\s*([\d.]+) MiB"
 _WINDOW = r"init_window: .*?([\d.]+) MiB\)"  # ours: the recent window's F16 rows, beside each cache
@@ -138,9 +139,9 @@ def kv_bits(log: str, shape: KvShape) -> dict:
     """Bits per value of the KV cache a run allocated, from the size lines its log printed (upstream's per-cache
     line, or ik_llama.cpp's "KV self size" with its n_ctx), and the build's notes about its cache."""
     mib, values, types = 0.0, 0, set()
-    for cells, layers, kt, km, vt, vm in re.findall(_UPSTREAM, log):
+    for cells, layers, streams, kt, km, vt, vm in re.findall(_UPSTREAM, log):
         mib += float(km) + float(vm)
-        values += int(cells) * int(layers) * shape.n_head_kv * (shape.k_len + shape.v_len)
+        values += int(cells) * int(layers) * int(streams) * shape.n_head_kv * (shape.k_len + shape.v_len)
         types.add(f"{kt}/{vt}")
     mib += sum(float(x) for x in re.findall(_WINDOW, log)) if values else 0.0
     if not values:
@@ -210,7 +211,8 @@ def kld(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text
             b = builds[cfg.build]
             base = Path(tmp) / f"{cfg.build}.kld"
             cmd = [str(b.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks",
-                   str(chunks), "-t", str(threads), "-fa", "on", *cfg.args(), "--kl-divergence-base", str(base)]
+                   str(chunks), "-t", str(threads), "-fa", "on", *cfg.args(), "--kl-divergence-base", str(base),
+                   *b.log_flags("llama-perplexity")]
             if not cfg.is_base:
                 if not base.exists():
                     rows.append({"config": cfg.label, "build": cfg.build, "error": "no F16 baseline (it failed)"})

@@ -46,13 +46,13 @@ SHAPE = versus.KvShape(n_layer=18, n_head_kv=1, k_len=256, v_len=256)
 
 
 def test_bits_from_upstream_lines_sum_every_cache_and_our_window():
-    log = ("llama_kv_cache: size =    1.17 MiB (  2048 cells,   3 layers,  1/1 seqs), K (isoquant3_0):    0.59 MiB, "
+    log = ("llama_kv_cache: size =    1.17 MiB (  1024 cells,   3 layers,  2/2 seqs), K (isoquant3_0):    0.59 MiB, "
            "V (isoquant3_0):    0.59 MiB\n"
            "init_window: recent window = 16 positions (K and V in F16 ...: 32 rows, 0.10 MiB)\n"
-           "llama_kv_cache: size =    1.46 MiB (   768 cells,  15 layers,  1/1 seqs), K (isoquant3_0):    0.73 MiB, "
+           "llama_kv_cache: size =    1.46 MiB (   768 cells,  15 layers,  2/1 seqs), K (isoquant3_0):    0.73 MiB, "
            "V (isoquant3_0):    0.73 MiB\n")
     r = versus.kv_bits(log, SHAPE)
-    values = (2048 * 3 + 768 * 15) * 512
+    values = (1024 * 2 * 3 + 768 * 15) * 512  # cells are per stream: 2 streams of 1024
     assert r["bits_per_value"] == pytest.approx((0.59 * 2 + 0.10 + 0.73 * 2) * 2**23 / values, abs=1e-3)
     assert r["kv_mib"] == pytest.approx(2.74) and r["logged_types"] == ["isoquant3_0/isoquant3_0"]
 
@@ -186,3 +186,13 @@ def test_environment_words_are_the_runs_environment_not_flags():
     assert c.args() == ["-ctk", "isoquant3_0", "-ctv", "isoquant3_0", "--kv-window", "0"]
     assert c.env() == {"GGML_RQ_CPU_AVX512": "0"}
     assert versus._cmdline(c, ["probe", "x y"]) == "GGML_RQ_CPU_AVX512=0 probe 'x y'"
+
+
+@pytest.mark.slow
+def test_kld_rows_carry_the_bits_the_build_logged(bin_dir, smollm2, text_file):
+    rows = versus.kld({"ours": builds.ours()}, [versus.Config("ours", "q8_0", "q8_0", ("--no-k-center",))], smollm2,
+                      text_file, ctx=256, chunks=1, progress=lambda _: None)
+    f16, q8 = rows
+    assert f16["bits_per_value"] == pytest.approx(16.0, abs=0.01)
+    assert q8["bits_per_value"] == pytest.approx(8.5, abs=0.01)  # q8_0: 34 bytes per 32 values
+    assert q8["kld_mean"] > 0 and "--kl-divergence" in q8["command"]
