@@ -2,7 +2,8 @@
 
 Builds (ours, stock llama.cpp, forks) are named NAME=BIN_DIR (rotaryquant.eval.builds). A configuration is
 "BUILD:K[/V] [FLAGS...]", the cache types and flags as that build's own tools take them (``ik:q4_0 -khad -vhad``;
-a NAME=VALUE word is that run's environment instead, e.g. ``ours:isoquant3_0 GGML_RQ_CPU_AVX512=0``);
+a NAME=VALUE word is that run's environment instead, e.g. ``ours:isoquant3_0 GGML_RQ_CPU_AVX512=0``, and model=PATH
+that configuration's own file of the same model, e.g. one rq-calibrate wrote);
 every build used also runs "BUILD:f16", the baseline its rows are scored against, because different builds give
 slightly different F16 logits. Four measurements:
 
@@ -59,14 +60,22 @@ class Config:
 
     @property
     def label(self) -> str:
-        return f"{self.build}:{self.cache}" + "".join(" " + f for f in self.flags)
+        words = (f"model={Path(f[6:]).name}" if f.startswith("model=") else f for f in self.flags)
+        return f"{self.build}:{self.cache}" + "".join(" " + f for f in words)
+
+    @property
+    def model(self) -> Path | None:
+        """model=PATH: this configuration's own file of the same model (e.g. with our stored calibration); the
+        baseline and tokens stay the main model's, so the file must hold the same weights and vocabulary."""
+        return next((Path(f[6:]).expanduser() for f in self.flags if f.startswith("model=")), None)
 
     @property
     def is_base(self) -> bool:
         return self.k == self.v == BASE and not self.flags
 
     def args(self) -> list[str]:
-        return ["-ctk", self.k, "-ctv", self.v, *(f for f in self.flags if not _ENV.match(f))]
+        return ["-ctk", self.k, "-ctv", self.v, *(f for f in self.flags if not _ENV.match(f) and
+                                                  not f.startswith("model="))]
 
     def env(self) -> dict[str, str]:
         """NAME=VALUE words of the configuration: that run's environment (e.g. GGML_RQ_CPU_AVX512=0)."""
@@ -192,7 +201,7 @@ def _json_line(out: str) -> dict:
 
 def _probe_cmd(build: B.Build, mode: str, model: Path, n_ctx: int, cfg: Config, threads: int,
                *extra: str) -> list[str]:
-    return [str(B.probe(build)), mode, "-m", str(model), "-c", str(n_ctx), "-t", str(threads), "-fa", "on",
+    return [str(B.probe(build)), mode, "-m", str(cfg.model or model), "-c", str(n_ctx), "-t", str(threads), "-fa", "on",
             *cfg.args(), *extra]
 
 
@@ -210,7 +219,7 @@ def kld(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text
         for cfg in with_baselines(configs):
             b = builds[cfg.build]
             base = Path(tmp) / f"{cfg.build}.kld"
-            cmd = [str(b.tool("llama-perplexity")), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks",
+            cmd = [str(b.tool("llama-perplexity")), "-m", str(cfg.model or model), "-f", str(text), "-c", str(ctx), "--chunks",
                    str(chunks), "-t", str(threads), "-fa", "on", *cfg.args(), "--kl-divergence-base", str(base),
                    *b.log_flags("llama-perplexity")]
             if not cfg.is_base:

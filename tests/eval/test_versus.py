@@ -196,3 +196,11 @@ def test_kld_rows_carry_the_bits_the_build_logged(bin_dir, smollm2, text_file):
     assert f16["bits_per_value"] == pytest.approx(16.0, abs=0.01)
     assert q8["bits_per_value"] == pytest.approx(8.5, abs=0.01)  # q8_0: 34 bytes per 32 values
     assert q8["kld_mean"] > 0 and "--kl-divergence" in q8["command"]
+
+
+def test_a_configuration_may_name_its_own_file_of_the_model():
+    c = versus.parse_config("ours:isoquant3_0 --kv-layer-types model model=/x/g3-alloc.gguf", ["ours"])
+    assert c.model == versus.Path("/x/g3-alloc.gguf")
+    assert c.args() == ["-ctk", "isoquant3_0", "-ctv", "isoquant3_0", "--kv-layer-types", "model"]
+    assert c.label == "ours:isoquant3_0 --kv-layer-types model model=g3-alloc.gguf"
+    assert versus.parse_config("ours:q8_0", ["ours"]).model is None
