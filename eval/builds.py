@@ -43,6 +43,7 @@ class Build:
     name: str
     bin_dir: Path
     src: Path  # the llama.cpp source it was built from (include/llama.h, ggml/include)
+    lib_dirs: tuple[Path, ...] = ()  # where its libllama and libggml* are (bin/ upstream; src/, ggml/src/ in older trees)
     commit: str | None = None
     features: frozenset[str] = field(default_factory=frozenset)
 
@@ -71,19 +72,21 @@ def parse(spec: str) -> Build:
     if not eq or not name.strip() or not re.fullmatch(r"[A-Za-z0-9_.-]+", name.strip()):
         raise BuildError(f"--build takes NAME=BIN_DIR (NAME of letters, digits, '._-'), got {spec!r}")
     bin_dir = Path(where).expanduser().resolve()
-    if not (bin_dir / "libllama.so").exists():
-        raise BuildError(f"build {name}: {bin_dir} has no libllama.so",
+    libs = tuple(d for d in (bin_dir, bin_dir.parent / "src", bin_dir.parent / "ggml" / "src", bin_dir.parent / "lib")
+                 if any(d.glob("libllama.so")) or any(d.glob("libggml*.so")))
+    if not any((d / "libllama.so").exists() for d in libs):
+        raise BuildError(f"build {name}: no libllama.so in {bin_dir} or beside it",
                          fix="give the bin folder of a CMake build made with -DBUILD_SHARED_LIBS=ON")
     src = source_dir(bin_dir.parent)
     header = (src / "include" / "llama.h").read_text(errors="replace")
     feats = frozenset(k for k, rx in _FEATURES.items() if rx.search(header))
-    return Build(name.strip(), bin_dir, src, _commit(src), feats)
+    return Build(name.strip(), bin_dir, src, libs, _commit(src), feats)
 
 
 def ours() -> Build:
     """build/cpu/bin, its commit this checkout's (the tree it is built from is upstream's plus our patches)."""
     b = parse(f"ours={paths.bin_dir('cpu')}")
-    return Build(b.name, b.bin_dir, b.src, _commit(paths.REPO), b.features)
+    return Build(b.name, b.bin_dir, b.src, b.lib_dirs, _commit(paths.REPO), b.features)
 
 
 def source_dir(build_dir: Path) -> Path:
@@ -121,7 +124,8 @@ def _commit(src: Path) -> str | None:
 def probe(build: Build) -> Path:
     """rq-probe compiled for this build (cached by source, header and library content)."""
     h = hashlib.sha256(PROBE_SRC.read_bytes())
-    for f in (build.src / "include" / "llama.h", build.bin_dir / "libllama.so"):
+    libllama = next(d / "libllama.so" for d in build.lib_dirs if (d / "libllama.so").exists())
+    for f in (build.src / "include" / "llama.h", libllama):
         h.update(f.read_bytes())
     out = paths.build_dir() / "probe" / build.name / h.hexdigest()[:16] / "rq-probe"
     if out.exists():
@@ -130,7 +134,8 @@ def probe(build: Build) -> Path:
     cxx = os.environ.get("CXX", "g++")
     cmd = [cxx, "-O2", "-std=c++17", *(f"-D{f}" for f in sorted(build.features)), str(PROBE_SRC),
            "-I", str(build.src / "include"), "-I", str(build.src / "ggml" / "include"),
-           "-L", str(build.bin_dir), f"-Wl,-rpath,{build.bin_dir}", "-lllama", "-lggml", "-lggml-base",
+           *(x for d in build.lib_dirs for x in ("-L", str(d), f"-Wl,-rpath,{d}")), "-lllama", "-lggml",
+           *(["-lggml-base"] if any((d / "libggml-base.so").exists() for d in build.lib_dirs) else []),
            "-o", str(out) + ".partial"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:

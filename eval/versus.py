@@ -182,8 +182,13 @@ def _run(cmd: list[str], timeout: float = TIMEOUT, env: dict[str, str] | None = 
 def _failure(rc: int, log: str) -> dict:
     """What happened, for a row that did not run (beside its command): the exit and the log's last lines."""
     what = f"killed by signal {-rc}" if rc < 0 else f"exit {rc}"
-    tail = [x for x in log.strip().splitlines() if x.strip()][-8:]
-    return {"error": what, "log_tail": tail}
+    lines = [x.strip(" =") for x in log.strip().splitlines() if x.strip(" =")]
+    # an abort's last lines are a debugger's backtrace: the lines that say why come first
+    why = [x for x in lines if _WHY.search(x)]
+    return {"error": what, "log_tail": (why[-3:] + lines[-3:]) if why else lines[-8:]}
+
+
+_WHY = re.compile(r"error|not a supported|not supported|GGML_ASSERT|GGML_ABORT|failed|exception|timed out", re.I)
 
 
 def _cmdline(cfg: Config, cmd: list[str]) -> str:
@@ -482,8 +487,7 @@ def to_markdown(res: dict) -> str:
             if r["config"] in seen:
                 continue
             seen.add(r["config"])
-            tail = " / ".join(r.get("log_tail", [])[-2:])
-            lines.append(f"- `{r['config']}`: {r['error']}: {tail}")
+            lines.append(f"- `{r['config']}`: {r['error']}: {(r.get('log_tail') or [''])[0]}")
     return "\n".join(lines) + "\n"
 
 
