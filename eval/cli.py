@@ -175,6 +175,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
     if unknown:
         raise RQError(f"--measure: unknown {', '.join(unknown)}; known: {', '.join(versus.MEASURES)}")
     used = {c.build for c in configs}
+    versus.TIMEOUT = ns.timeout
     res: dict = {"model": model.name, "text": data.evaluation_text().name, "threads": ns.threads,
                  "runs": [["rq-eval", *ns.argv]], "builds": {n: b.describe() for n, b in blds.items() if n in used}}
     text = data.evaluation_text()
@@ -443,6 +444,8 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     vs.add_argument("--seeds", default="42", help="niah: seeds")
     vs.add_argument("--merge", action="store_true",
                     help="keep the existing output's rows of the builds this run does not measure (same model)")
+    vs.add_argument("--timeout", type=float, default=versus.TIMEOUT,
+                    help="seconds one program may run; past it the row records the timeout and the run goes on")
 
     vw = add("versus-weights", "weight types of other llama.cpp builds beside ours: each build quantises the same F16 "
              "with its own tools and importance matrix; KLD vs its own F16, t/s vs its own Q4_K_M", cmd_versus_weights,

@@ -40,7 +40,7 @@ from rotaryquant.eval import perplexity
 
 BASE = "f16"
 MEASURES = ("kld", "decode", "ttft", "niah")
-TIMEOUT = 4 * 3600
+TIMEOUT = 4 * 3600  # seconds one program may run before its row records a timeout (rq-eval versus --timeout)
 
 
 class VersusError(RQError):
@@ -168,7 +168,8 @@ def kv_bits(log: str, shape: KvShape) -> dict:
 
 # --- running one program --------------------------------------------------------------------------------------
 
-def _run(cmd: list[str], timeout: float = TIMEOUT, env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
+def _run(cmd: list[str], timeout: float | None = None, env: dict[str, str] | None = None) -> tuple[int, str, str, float]:
+    timeout = timeout or TIMEOUT
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, env={**B.run_env(), **(env or {})}, timeout=timeout)
