@@ -219,7 +219,13 @@ def _frontier_section(results: Path) -> list[str]:
 def build(results: Path) -> Path:
     results.mkdir(parents=True, exist_ok=True)
     measured: dict[str, str] = {}
-    body: list[str] = []
+    from rotaryquant.eval import alternatives
+
+    body: list[str] = alternatives.report_section(results)
+    for f in sorted(results.glob("versus-weights*.json")):
+        from rotaryquant.eval import versus_weights
+
+        body += [versus_weights.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
     kvb = _load(results, "kv-bench")
     body += _kv_speed_section(kvb, results, measured) if kvb else ["## KV-cache speed", "", "_not run: `rq-eval bench`_", ""]
     for f in sorted(results.glob("kv-bench-*.json")):  # further speed runs (e.g. with/without K calibration)

@@ -1,0 +1,75 @@
+"""rotaryquant.eval.alternatives: versus-*.json merged per model and configuration, the verdicts checked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rotaryquant.eval import alternatives as alt
+
+GEMMA = "gemma-3-270m-q4_k_m.gguf"
+
+
+def _kld(config: str, bits: float, kld: float | None, **extra) -> dict:
+    r = {"config": config, "build": config.split(":")[0], "bits_per_value": bits, "kld_mean": kld, "kld_p99": 0.1,
+         "same_top_p": 90.0, "notes": [], **extra}
+    if kld is None:
+        r.pop("kld_mean")
+    return r
+
+
+def _write(tmp_path, name: str, rows: dict) -> None:
+    builds = {b: {"name": b, "commit": "abc", "cmake": {"GGML_AVX2": "ON"}} for b in ("ours", "stock", "ik")}
+    (tmp_path / name).write_text(json.dumps({"model": GEMMA, "builds": builds, **rows}))
+
+
+@pytest.fixture()
+def results(tmp_path):
+    _write(tmp_path, "versus-kld-gemma3.json", {"kld": [
+        _kld("ours:f16", 16, None), _kld("ours:isoquant3_0", 3.5, 0.025),
+        _kld("stock:f16", 16, None), _kld("stock:q4_0", 4.5, 0.088), _kld("stock:q8_0", 8.5, 0.006),
+        _kld("ik:iq4_nl -khad -vhad", 4.5, 0.084),
+        {"config": "ik:q5_0 -khad", "build": "ik", "bits_per_value": 5.5, "error": "killed by signal 6",
+         "log_tail": ["K cache q5_0 coupled with V cache q5_0 is not a supported combination"]}]})
+    _write(tmp_path, "versus-8k-gemma3.json", {"decode": [
+        {"config": "ours:isoquant3_0", "build": "ours", "prefill": 8192, "kld_mean": 0.03, "kld_p99": 0.2,
+         "prefill_tps_vs_f16": 1.1, "decode_tps_vs_f16": 1.15, "decode_tps": 66.0},
+        {"config": "stock:q4_0", "build": "stock", "prefill": 8192, "error": "killed by signal 9",
+         "log_tail": ["(timed out after 2700 s)"]}]})
+    return tmp_path
+
+
+def test_rows_merge_across_files_per_configuration(results):
+    data = alt.load(results)
+    ours = data[GEMMA]["ours:isoquant3_0"]
+    assert ours["kld"]["kld_mean"] == 0.025 and ours["decode"][8192]["decode_tps_vs_f16"] == 1.15
+    assert ours["files"] == {"versus-kld-gemma3.json", "versus-8k-gemma3.json"}
+    assert alt.bits(ours) == 3.5
+
+
+def test_verdict_compares_only_peers_between_our_bits_and_the_budget(results):
+    (v,) = alt.verdicts(alt.load(results))
+    assert "lower 2K KLD (0.0250)" in v and "ik:iq4_nl -khad -vhad, 0.0840" in v  # q8_0 (8.5 bits) is not a rival
+
+
+def test_a_verdict_that_stops_holding_is_refused(results):
+    data = alt.load(results)
+    data[GEMMA]["stock:q4_0"]["kld"]["kld_mean"] = 0.02  # a peer at 4.5 bits now beats ours
+    with pytest.raises(alt.VerdictError, match="no longer holds"):
+        alt.verdicts(data)
+
+
+def test_report_section_says_what_did_not_run_and_why(results):
+    md = "\n".join(alt.report_section(results))
+    assert "| ik:q5_0 -khad | 5.50 | did not run (killed by signal 6)" in md
+    assert "not a supported combination" in md
+    assert "| stock:q4_0 | 4.50 | 0.0880 |" in md and "timed out" in md
+    assert "[versus-8k-gemma3.json](versus-8k-gemma3.json)" in md
+
+
+def test_short_table_takes_each_builds_best_under_the_budget(results):
+    rows = alt.short_table(results)
+    assert rows[0].startswith("| ours:isoquant3_0 | 3.50 b: 0.025, 1.15×")
+    assert any(r.startswith("| ik:iq4_nl -khad -vhad | 4.50 b: 0.084") for r in rows)
+    assert any(r.startswith("| stock:q4_0 |") for r in rows) and not any("q8_0" in r for r in rows)
