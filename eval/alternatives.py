@@ -197,7 +197,7 @@ def short_table(results: Path, fmt: Callable[[float], str] = lambda x: f"{x:.3g}
                 cells.append("–")
                 continue
             dec = c["decode"].get(DEPTH if m != "SmolLM2-135M-Instruct.Q4_1.gguf" else min(c["decode"] or [0]), {})
-            cells.append(f"{bits(c):.2f} b: {fmt(c['kld']['kld_mean'])}, "
-                         f"{_f(dec.get('decode_tps_vs_f16'), 2)}×")
+            speed = dec.get("decode_tps_vs_f16")
+            cells.append(f"{bits(c):.2f} b: {fmt(c['kld']['kld_mean'])}" + ("" if speed is None else f", {speed:.2f}×"))
         rows.append((label, *cells))
     return [f"| {' | '.join(r)} |" for r in rows]

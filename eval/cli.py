@@ -163,7 +163,7 @@ def cmd_niah(ns: argparse.Namespace) -> None:
 
 
 def cmd_versus(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.ISO_MODEL)
+    model = _model(ns, assets.ISO_MODEL).resolve()  # the programs run in a scratch folder
     blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
     if "ours" not in blds:
         blds = {"ours": builds_mod.ours(), **blds}
@@ -207,7 +207,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
 def cmd_versus_weights(ns: argparse.Namespace) -> None:
     from rotaryquant.eval import versus_weights as vw
 
-    model = _model(ns, assets.CHAT_ISO_MODEL)
+    model = _model(ns, assets.CHAT_ISO_MODEL).resolve()
     blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
     if "ours" not in blds:
         blds = {"ours": builds_mod.ours(), **blds}

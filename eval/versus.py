@@ -172,12 +172,22 @@ def _run(cmd: list[str], timeout: float | None = None, env: dict[str, str] | Non
     timeout = timeout or TIMEOUT
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, env={**B.run_env(), **(env or {})}, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**B.run_env(), **(env or {})}, timeout=timeout,
+                           cwd=_scratch())
         return p.returncode, p.stdout, p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         return -9, out, err + f"\n(timed out after {timeout:.0f} s)", time.perf_counter() - t0
+
+
+def _scratch() -> Path:
+    """The programs' working folder: some builds' tools write files there (ik_llama.cpp's llama.log)."""
+    from rotaryquant import paths
+
+    d = paths.build_dir() / "versus-scratch"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def _failure(rc: int, log: str) -> dict:

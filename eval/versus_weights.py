@@ -10,7 +10,6 @@ context, chunks and calibration tokens, so rows of ``rq-eval weights`` on our bu
 from __future__ import annotations
 
 import shlex
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,8 +51,8 @@ def parse_variant(spec: str, names: Sequence[str]) -> WVariant:
 def _imatrix_name(b: B.Build) -> str:
     """The file name the build's llama-imatrix writes in a format its llama-quantize reads: GGUF where the tool knows
     --output-format (upstream), the legacy .dat otherwise (ik_llama.cpp)."""
-    h = subprocess.run([str(b.tool("llama-imatrix")), "--help"], capture_output=True, text=True, env=B.run_env())
-    return f"{b.name}.imatrix.gguf" if "output-format" in h.stdout + h.stderr else f"{b.name}.imatrix.dat"
+    _, out, err, _ = _run([str(b.tool("llama-imatrix")), "--help"])
+    return f"{b.name}.imatrix.gguf" if "output-format" in out + err else f"{b.name}.imatrix.dat"
 
 
 def _check(rc: int, out: str, err: str, cmd: list[str], what: str) -> None:

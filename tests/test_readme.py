@@ -107,10 +107,19 @@ ALLOWED = {"0.3.36", "3.11", "2608.08081", "2603.27914"}
 MEASURED = re.compile(r"(?<![\w.\-])(?:\d+(?:\.\d+)+(?:(?![\w.])|(?=x\b))|\d+\s*[×x%]|\d+/\d+|\d+\s*(?:t/s|MiB|GiB|GB|MB|ms|s|min)\b)")
 
 
+def test_alternatives_table_is_generated_from_results():
+    text = README.read_text()
+    assert gen.replace_block(text, gen.alternatives_table(), gen.ALT_BEGIN, gen.ALT_END) == text, (
+        "README.md's table of the alternatives is not the one docs/results/versus-* gives: run "
+        "python3 scripts/readme_table.py --write")
+
+
 def test_no_measured_number_outside_the_table():
     text = README.read_text()
-    i, j = text.find(gen.BEGIN), text.find(gen.END)
-    outside = text[:i] + text[j + len(gen.END):]
+    for begin, end in ((gen.BEGIN, gen.END), (gen.ALT_BEGIN, gen.ALT_END)):
+        i, j = text.find(begin), text.find(end)
+        text = text[:i] + text[j + len(end):]
+    outside = text
     outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # commands, not claims
     outside = re.sub(r"`[^`]*`|\([^)]*\.md\)|https?://\S+", "", outside)  # code spans, links
     hits = [m for m in MEASURED.findall(outside) if m not in ALLOWED]
