@@ -162,11 +162,15 @@ def cmd_niah(ns: argparse.Namespace) -> None:
     _write(ns.out, res, niah.to_markdown(res))
 
 
+def _builds(ns: argparse.Namespace) -> dict[str, builds_mod.Build]:
+    """--build NAME=BIN_DIR, ours (build/cpu/bin) first unless given."""
+    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
+    return blds if "ours" in blds else {"ours": builds_mod.ours(), **blds}
+
+
 def cmd_versus(ns: argparse.Namespace) -> None:
     model = _model(ns, assets.ISO_MODEL).resolve()  # the programs run in a scratch folder
-    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
-    if "ours" not in blds:
-        blds = {"ours": builds_mod.ours(), **blds}
+    blds = _builds(ns)
     configs = [versus.parse_config(c, list(blds)) for c in ns.config]
     if not configs:
         raise RQError("no --config given", fix="add e.g. --config ours:isoquant3_0 --config 'ik:q4_0 -khad -vhad'")
@@ -208,9 +212,7 @@ def cmd_versus_weights(ns: argparse.Namespace) -> None:
     from rotaryquant.eval import versus_weights as vw
 
     model = _model(ns, assets.CHAT_ISO_MODEL).resolve()
-    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
-    if "ours" not in blds:
-        blds = {"ours": builds_mod.ours(), **blds}
+    blds = _builds(ns)
     variants = [vw.parse_variant(v, list(blds)) for v in ns.variant]
     if not variants:
         raise RQError("no --variant given", fix="add e.g. --variant 'ik:IQ3_KT+imat'")

@@ -85,15 +85,21 @@ class Config:
 _ENV = re.compile(r"^[A-Z][A-Z0-9_]*=")
 
 
-def parse_config(spec: str, names: Sequence[str]) -> Config:
-    """'BUILD:K[/V] [FLAGS...]' -> Config; VersusError for an unknown build or an empty cache."""
+def split_spec(spec: str, names: Sequence[str], form: str) -> tuple[str, list[str]]:
+    """'BUILD:WORD [WORDS...]' -> (BUILD, words); VersusError naming ``form`` for an empty one or an unknown build."""
     name, sep, rest = spec.partition(":")
     words = shlex.split(rest)
     if not sep or not words:
-        raise VersusError(f"a configuration is BUILD:K[/V] [FLAGS...], got {spec!r}")
+        raise VersusError(f"expected {form}, got {spec!r}")
     if name not in names:
-        raise VersusError(f"configuration {spec!r} names build {name!r}; builds given: {', '.join(names)}",
+        raise VersusError(f"{spec!r} names build {name!r}; builds given: {', '.join(names)}",
                           fix="add --build NAME=BIN_DIR for it")
+    return name, words
+
+
+def parse_config(spec: str, names: Sequence[str]) -> Config:
+    """'BUILD:K[/V] [FLAGS...]' -> Config; VersusError for an unknown build or an empty cache."""
+    name, words = split_spec(spec, names, "a configuration BUILD:K[/V] [FLAGS...]")
     k, _, v = words[0].partition("/")
     return Config(name, k, v or k, tuple(words[1:]))
 
@@ -508,15 +514,21 @@ def _title_kld(res: dict) -> str:
             "against the build's F16")
 
 
-def _rows_kld(rows: list[dict]) -> list[str]:
-    out = ["| configuration | bits/value | PPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|"]
+def _columns(rows: list[dict], cols: Sequence[tuple[str, str, int]]) -> list[str]:
+    """A table of rows: configuration, bits/value, then (header, key, digits) per column; a row that did not run
+    says so in its first column."""
+    out = ["| configuration | bits/value | " + " | ".join(h for h, _, _ in cols) + " |",
+           "|---|---:|" + "---:|" * len(cols)]
     for r in rows:
-        if "error" in r:
-            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | | |")
-        else:
-            out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('ppl'), 3)} | {_f(r.get('kld_mean'), 5)} "
-                       f"| {_f(r.get('kld_p99'))} | {_f(r.get('same_top_p'), 2)} |")
+        cells = ([f"did not run ({r['error']})"] + [""] * (len(cols) - 1) if "error" in r
+                 else [_f(r.get(k), nd) for _, k, nd in cols])
+        out.append(f"| {r['config']} | {_bits(r)} | " + " | ".join(cells) + " |")
     return out
+
+
+def _rows_kld(rows: list[dict]) -> list[str]:
+    return _columns(rows, [("PPL", "ppl", 3), ("mean KLD", "kld_mean", 5), ("KLD p99", "kld_p99", 4),
+                           ("same top-1 %", "same_top_p", 2)])
 
 
 def _title_decode(res: dict) -> str:
@@ -527,17 +539,9 @@ def _title_decode(res: dict) -> str:
 
 
 def _rows_decode(rows: list[dict]) -> list[str]:
-    out = ["| configuration | bits/value | decode KLD | p99 | same top-1 % | prefill t/s | × f16 | decode t/s | × f16 |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | | | | | |")
-            continue
-        out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('kld_mean'), 5)} | {_f(r.get('kld_p99'))} "
-                   f"| {_f(r.get('same_top1_pct'), 1)} | {_f(r.get('prefill_tps'), 1)} "
-                   f"| {_f(r.get('prefill_tps_vs_f16'), 2)} | {_f(r.get('decode_tps'), 2)} "
-                   f"| {_f(r.get('decode_tps_vs_f16'), 2)} |")
-    return out
+    return _columns(rows, [("decode KLD", "kld_mean", 5), ("p99", "kld_p99", 4), ("same top-1 %", "same_top1_pct", 1),
+                           ("prefill t/s", "prefill_tps", 1), ("× f16", "prefill_tps_vs_f16", 2),
+                           ("decode t/s", "decode_tps", 2), ("× f16", "decode_tps_vs_f16", 2)])
 
 
 def _title_ttft(res: dict) -> str:
@@ -547,15 +551,8 @@ def _title_ttft(res: dict) -> str:
 
 
 def _rows_ttft(rows: list[dict]) -> list[str]:
-    out = ["| configuration | bits/value | first token s | context creation s | added over the build's F16 s |",
-           "|---|---:|---:|---:|---:|"]
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['config']} | {_bits(r)} | did not run ({r['error']}) | | |")
-        else:
-            out.append(f"| {r['config']} | {_bits(r)} | {_f(r.get('first_token_s'), 2)} | {_f(r.get('ctx_s'), 2)} "
-                       f"| {_f(r.get('added_s'), 2)} |")
-    return out
+    return _columns(rows, [("first token s", "first_token_s", 2), ("context creation s", "ctx_s", 2),
+                           ("added over the build's F16 s", "added_s", 2)])
 
 
 def _title_niah(res: dict) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rotaryquant.eval import builds as B
 from rotaryquant.eval import perplexity, weights, weightspeed
-from rotaryquant.eval.versus import VersusError, _failure, _run
+from rotaryquant.eval.versus import VersusError, _failure, _run, split_spec
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,7 @@ class WVariant:
 
 
 def parse_variant(spec: str, names: Sequence[str]) -> WVariant:
-    name, sep, rest = spec.partition(":")
-    words = shlex.split(rest)
-    if not sep or not words:
-        raise VersusError(f"a weight variant is BUILD:FTYPE[+imat] [ARGS...], got {spec!r}")
-    if name not in names:
-        raise VersusError(f"variant {spec!r} names build {name!r}; builds given: {', '.join(names)}",
-                          fix="add --build NAME=BIN_DIR for it")
+    name, words = split_spec(spec, names, "a weight variant BUILD:FTYPE[+imat] [ARGS...]")
     ftype, imat = words[0].removesuffix("+imat"), words[0].endswith("+imat")
     return WVariant(name, ftype, imat, tuple(words[1:]))
 

@@ -23,7 +23,7 @@ def test_config_parses_types_and_flags():
     assert versus.parse_config("ours:f16", ["ours"]).is_base
 
 
-@pytest.mark.parametrize("spec,match", [("ours", "BUILD:K"), ("ours:", "BUILD:K"), ("nope:q8_0", "names build 'nope'")])
+@pytest.mark.parametrize("spec,match", [("ours", "a configuration BUILD:K"), ("ours:", "a configuration BUILD:K"), ("nope:q8_0", "names build 'nope'")])
 def test_bad_configs_are_refused_by_name(spec, match):
     with pytest.raises(versus.VersusError, match=match):
         versus.parse_config(spec, ["ours"])
