@@ -49,8 +49,9 @@ def test_rows_merge_across_files_per_configuration(results):
 
 
 def test_verdict_compares_only_peers_between_our_bits_and_the_budget(results):
-    (v,) = alt.verdicts(alt.load(results))
-    assert "lower 2K KLD (0.0250)" in v and "ik:iq4_nl -khad -vhad, 0.0840" in v  # q8_0 (8.5 bits) is not a rival
+    v = alt.verdicts(alt.load(results))[0]
+    assert v.startswith("2K KLD") and "Gemma3 0.0250 at 3.50 bits vs 0.0840 (ik:iq4_nl -khad -vhad)" in v
+    # stock q8_0 (8.5 bits, better KLD) is past the budget: not a rival
 
 
 def test_a_verdict_that_stops_holding_is_refused(results):
@@ -73,3 +74,13 @@ def test_short_table_takes_each_builds_best_under_the_budget(results):
     assert rows[0].startswith("| ours:isoquant3_0 | 3.50 b: 0.025, 1.15×")
     assert any(r.startswith("| ik:iq4_nl -khad -vhad | 4.50 b: 0.084") for r in rows)
     assert any(r.startswith("| stock:q4_0 |") for r in rows) and not any("q8_0" in r for r in rows)
+
+
+def test_start_up_gap_is_stated_and_checked(results):
+    data = alt.load(results)
+    for label, added in (("ours:f16", 0.0), ("ours:isoquant3_0", 2.2), ("stock:f16", 0.0), ("stock:q4_0", 0.02)):
+        data[GEMMA][label]["ttft"] = {"added_s": added, "first_token_s": 0.5 + added}
+    assert "Gemma3 +2.2 s (peers at most +0.02 s)" in alt.verdicts(data)[-1]
+    data[GEMMA]["ours:isoquant3_0"]["ttft"]["added_s"] = 0.0  # once ours starts as fast, the line must be rewritten
+    with pytest.raises(alt.VerdictError):
+        alt.verdicts(data)
