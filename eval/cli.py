@@ -445,7 +445,7 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
     vs.add_argument("--seeds", default="42", help="niah: seeds")
     vs.add_argument("--merge", action="store_true",
-                    help="keep the existing output's rows of the builds this run does not measure (same model)")
+                    help="keep the existing output's rows of the configurations this run does not measure (same model)")
     vs.add_argument("--timeout", type=float, default=versus.TIMEOUT,
                     help="seconds one program may run; past it the row records the timeout and the run goes on")
 

@@ -452,14 +452,14 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
 
 
 def merge(old: dict, new: dict) -> dict:
-    """new, plus old's rows (per measurement) of the builds new did not measure there: builds measured in separate
-    runs share one file, each still against its own F16."""
+    """new, plus old's rows (per measurement) of the configurations new did not measure there: runs share one file,
+    each row still scored against the F16 of its own run (its ratios are stored with it)."""
     if not old:
         return new
     out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
     for m in MEASURES:
-        ran = {r["build"] for r in new.get(m) or []}
-        kept = [r for r in old.get(m) or [] if r["build"] not in ran]
+        ran = {r["config"] for r in new.get(m) or []}
+        kept = [r for r in old.get(m) or [] if r["config"] not in ran]
         if kept or new.get(m):
             out[m] = kept + list(new.get(m) or [])
     out["runs"] = [*old.get("runs", []), *new.get("runs", [])]

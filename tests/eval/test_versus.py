@@ -173,11 +173,12 @@ def test_weight_variants_parse_type_imatrix_and_quantize_args():
         vw.parse_variant("x:IQ3_K", ["ik"])
 
 
-def test_merge_keeps_other_builds_rows():
-    old = {"builds": {"a": {}, "b": {}}, "kld": [{"build": "a", "x": 1}, {"build": "b", "x": 2}], "runs": [["r1"]]}
-    new = {"builds": {"b": {}}, "kld": [{"build": "b", "x": 3}], "runs": [["r2"]]}
+def test_merge_keeps_the_rows_a_run_did_not_redo():
+    old = {"builds": {"a": {}, "b": {}}, "kld": [{"config": "a:q8_0", "x": 1}, {"config": "b:q8_0", "x": 2}],
+           "runs": [["r1"]]}
+    new = {"builds": {"b": {}}, "kld": [{"config": "b:q8_0", "x": 3}], "runs": [["r2"]]}
     m = versus.merge(old, new)
-    assert m["kld"] == [{"build": "a", "x": 1}, {"build": "b", "x": 3}] and m["runs"] == [["r1"], ["r2"]]
+    assert m["kld"] == [{"config": "a:q8_0", "x": 1}, {"config": "b:q8_0", "x": 3}] and m["runs"] == [["r1"], ["r2"]]
     assert set(m["builds"]) == {"a", "b"} and versus.merge({}, new) is new
 
 
