@@ -3,13 +3,15 @@ own importance matrix from the same calibration tokens), and scores the result w
 its own F16 logits; speed is llama-bench of the same build over its own Q4_K_M, in interleaved rounds.
 
 A variant is "BUILD:FTYPE[+imat] [llama-quantize ARGS...]" (``ik:IQ3_KT+imat``, ``ik:IQ3_KT+imat --custom-q
-ffn_down=iq4_kt``). The F16 file is the requantisation rq-eval weights makes (rotaryquant.eval.weights), with the same
+ffn_down=iq4_kt``); for ours, FTYPE may be an rq-convert recipe (``ours:itq3-m``: calibrated on the same calibration
+text, as rq-convert does by default). The F16 file is the requantisation rq-eval weights makes (rotaryquant.eval.weights), with the same
 context, chunks and calibration tokens, so rows of ``rq-eval weights`` on our build sit beside these.
 """
 
 from __future__ import annotations
 
 import shlex
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +42,12 @@ def parse_variant(spec: str, names: Sequence[str]) -> WVariant:
     name, words = split_spec(spec, names, "a weight variant BUILD:FTYPE[+imat] [ARGS...]")
     ftype, imat = words[0].removesuffix("+imat"), words[0].endswith("+imat")
     return WVariant(name, ftype, imat, tuple(words[1:]))
+
+
+def _recipes() -> set[str]:
+    from rotaryquant.converter.recipes import RECIPES
+
+    return set(RECIPES)
 
 
 def _imatrix_name(b: B.Build) -> str:
@@ -93,6 +101,10 @@ def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path,
             t0 = time.time()
             cmd = [str(b.tool("llama-quantize")), *(["--imatrix", str(imat)] if v.imatrix else []), *v.args,
                    str(f16), str(q) + ".partial", v.ftype, str(threads)]
+            if name == "ours" and v.ftype in _recipes():
+                cmd = [sys.executable, "-m", "rotaryquant.converter.cli", str(f16), str(q) + ".partial", "--recipe",
+                       v.ftype, "--no-promote", "--threads", str(threads), "--no-progress", "--table", "none",
+                       "--calibrate", str(calib_text), *v.args]
             row["quantize_command"] = shlex.join(cmd)
             rc, out, err, _ = _run(cmd)
             if rc != 0:
