@@ -83,11 +83,21 @@ def _cell_decode(c: dict, n: int, key: str, nd: int = 2) -> str:
     return _f(r.get(key), nd)
 
 
+def attention_slope(c: dict, n: int) -> float | None:
+    """Decode milliseconds per token added by each 1024 keys between DEPTH and n: the cache's own cost per key,
+    without the weights' (which every depth pays alike, and where builds differ most)."""
+    a, b = c["decode"].get(DEPTH), c["decode"].get(n)
+    if not a or not b or "error" in a or "error" in b or not a.get("decode_tps") or not b.get("decode_tps"):
+        return None
+    return (1000 / b["decode_tps"] - 1000 / a["decode_tps"]) / ((b["prefill"] - a["prefill"]) / 1024)
+
+
 def model_table(model: str, configs: dict[str, dict]) -> list[str]:
     depths = sorted({n for c in configs.values() for n in c["decode"] if n > DEPTH})
     head = ("| configuration | bits/value | 2K KLD | p99 | same top-1 % | decode KLD after 8K | p99 | prefill 8K × f16 "
             "| decode 8K × f16 | decode 8K t/s | first token s (added) | needles 8K | needles 16K |"
-            + "".join(f" decode KLD after {n // 1024}K | decode {n // 1024}K t/s |" for n in depths))
+            + "".join(f" decode KLD after {n // 1024}K | decode {n // 1024}K t/s | ms per token per 1K keys |"
+                      for n in depths))
     lines = [f"### {MODELS.get(model, model)}", "", head, "|---|" + "---:|" * (head.count("|") - 2)]
     for label, c in configs.items():
         k, t = c.get("kld") or {}, c.get("ttft") or {}
@@ -100,7 +110,8 @@ def model_table(model: str, configs: dict[str, dict]) -> list[str]:
                f"| {_cell_decode(c, DEPTH, 'kld_mean', 4)} | {_cell_decode(c, DEPTH, 'kld_p99', 3)} "
                f"| {_cell_decode(c, DEPTH, 'prefill_tps_vs_f16')} | {_cell_decode(c, DEPTH, 'decode_tps_vs_f16')} "
                f"| {_cell_decode(c, DEPTH, 'decode_tps', 1)} | {tt} | {needles(c, 8192)} | {needles(c, 16384)} |")
-        row += "".join(f" {_cell_decode(c, n, 'kld_mean', 4)} | {_cell_decode(c, n, 'decode_tps', 2)} |" for n in depths)
+        row += "".join(f" {_cell_decode(c, n, 'kld_mean', 4)} | {_cell_decode(c, n, 'decode_tps', 2)} "
+                       f"| {_f(attention_slope(c, n), 3)} |" for n in depths)
         lines.append(row)
     return lines
 

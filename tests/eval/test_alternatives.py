@@ -84,3 +84,10 @@ def test_start_up_gap_is_stated_and_checked(results):
     data[GEMMA]["ours:isoquant3_0"]["ttft"]["added_s"] = 0.0  # once ours starts as fast, the line must be rewritten
     with pytest.raises(alt.VerdictError):
         alt.verdicts(data)
+
+
+def test_attention_slope_is_the_cost_per_1k_keys_between_two_depths():
+    c = {"decode": {8192: {"prefill": 8192, "decode_tps": 50.0}, 32704: {"prefill": 32704, "decode_tps": 25.0}}}
+    # 20 ms -> 40 ms per token over 24512 keys: 20 / 23.9375 ms per 1024 keys
+    assert alt.attention_slope(c, 32704) == pytest.approx(20 / (24512 / 1024))
+    assert alt.attention_slope({"decode": {8192: c["decode"][8192]}}, 32704) is None
