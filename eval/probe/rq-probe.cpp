@@ -8,7 +8,7 @@
 //   RQ_PROBE_FA_TYPE  llama_context_params.flash_attn_type (newer API) instead of bool flash_attn
 //   RQ_PROBE_BATCH4   llama_batch_get_one(tokens, n, pos_0, seq_id) (older API)
 //   RQ_PROBE_HAD      ik_llama.cpp's k_cache_hadamard / v_cache_hadamard (-khad, -vhad)
-//   RQ_PROBE_RQ       ours: kv_window, k_center, kv_deferred, kv_layer_types
+//   RQ_PROBE_RQ       ours: kv_window, k_center, kv_deferred, kv_layer_types, iso_unfused
 //   RQ_PROBE_SWA_FULL llama_context_params.swa_full: set false, as the build's own tools do (common's default)
 // Flags not compiled in are refused by name, so a config never runs as something else.
 // The build's own log goes to stderr (the KV cache size lines are read from it); one JSON line of
@@ -65,7 +65,7 @@ struct opts {
     int n_ctx = 0, threads = 2, prefill = 0, steps = 0, answer = 12;
     std::string ctk = "f16", ctv = "f16";
     bool fa = true, khad = false, vhad = false;
-    bool rq_no_k_center = false, rq_deferred = false;
+    bool rq_no_k_center = false, rq_deferred = false, rq_unfused = false;
     int rq_window = -1;
     std::string rq_layer_types;
 };
@@ -79,7 +79,7 @@ static void usage() {
         " -khad -vhad"
 #endif
 #ifdef RQ_PROBE_RQ
-        " --kv-window N --no-k-center --kv-deferred --kv-layer-types S"
+        " --kv-window N --no-k-center --kv-deferred --kv-layer-types S --iso-unfused"
 #endif
         "\n");
     exit(2);
@@ -117,6 +117,7 @@ static opts parse(int argc, char ** argv) {
         else if (a == "--no-k-center") o.rq_no_k_center = true;
         else if (a == "--kv-deferred") o.rq_deferred = true;
         else if (a == "--kv-layer-types") o.rq_layer_types = val();
+        else if (a == "--iso-unfused") o.rq_unfused = true;
 #endif
         else die("unknown flag for this build: " + a);
     }
@@ -181,6 +182,7 @@ int main(int argc, char ** argv) {
     if (o.rq_no_k_center) cp.k_center = LLAMA_K_CENTER_OFF;
     if (o.rq_deferred) cp.kv_deferred = -1;
     if (!o.rq_layer_types.empty()) cp.kv_layer_types = o.rq_layer_types.c_str();
+    cp.iso_unfused = o.rq_unfused;
 #endif
     t0 = std::chrono::steady_clock::now();
     llama_context * ctx = llama_init_from_model(model, cp);

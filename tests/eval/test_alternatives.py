@@ -50,7 +50,7 @@ def test_rows_merge_across_files_per_configuration(results):
 
 def test_verdict_compares_only_peers_between_our_bits_and_the_budget(results):
     v = alt.verdicts(alt.load(results))[0]
-    assert v.startswith("2K KLD") and "Gemma3 0.0250 at 3.50 bits vs 0.0840 (ik:iq4_nl -khad -vhad)" in v
+    assert v.startswith("2K KLD") and v.endswith("Gemma3 0.0250 at 3.50 bits vs 0.0840 (ik:iq4_nl -khad -vhad, 4.50)")
     # stock q8_0 (8.5 bits, better KLD) is past the budget: not a rival
 
 
@@ -91,3 +91,16 @@ def test_attention_slope_is_the_cost_per_1k_keys_between_two_depths():
     # 20 ms -> 40 ms per token over 24512 keys: 20 / 23.9375 ms per 1024 keys
     assert alt.attention_slope(c, 32704) == pytest.approx(20 / (24512 / 1024))
     assert alt.attention_slope({"decode": {8192: c["decode"][8192]}}, 32704) is None
+
+
+def test_a_known_gap_is_named_and_its_answer_checked(results, monkeypatch):
+    data = alt.load(results)
+    data[GEMMA]["stock:q4_0"]["kld"]["kld_mean"] = 0.02  # a peer at 4.5 bits beats our 3.5-bit default
+    data[GEMMA]["ours:isoquant4_0"] = {"build": {"name": "ours"}, "decode": {}, "niah": {}, "files": set(),
+                                       "kld": _kld("ours:isoquant4_0", 4.5, 0.015)}
+    monkeypatch.setitem(alt.KNOWN_GAPS, (GEMMA, "stock:q4_0", "kld"), ("one bit more", "ours:isoquant4_0"))
+    more = alt.verdicts(data)[0]
+    assert "except Gemma3 stock:q4_0 0.0200 at 4.50 bits (one bit more: ours:isoquant4_0 0.0150 at 4.50 bits)" in more
+    data[GEMMA]["ours:isoquant4_0"]["kld"]["kld_mean"] = 0.03  # the answer no longer answers: refused
+    with pytest.raises(alt.VerdictError, match="beats stock:q4_0"):
+        alt.verdicts(data)
