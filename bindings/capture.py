@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +180,29 @@ class EvalCallback:
             raise self.errors[0]
 
 
+def _decode(L, ctx, toks, n: int, positions: Sequence[tuple[int, int]] | None) -> int:
+    if positions is None:
+        return L.llama_decode(ctx, L.llama_batch_get_one(toks, n))
+    if len(positions) != n:
+        raise ValueError(f"{len(positions)} positions for {n} tokens")
+    b = L.llama_batch_init(n, 0, 1)
+    try:
+        for i, (p, s) in enumerate(positions):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = toks[i], p, 1, i + 1 == n
+            b.seq_id[i][0] = s
+        b.n_tokens = n
+        return L.llama_decode(ctx, b)
+    finally:
+        L.llama_batch_free(b)
+
+
 def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *, type_k: int, type_v: int,
             iso_unfused: bool = False, k_center: str = "auto", n_ctx: int = 512,
-            threads: int = 2, kv_window: int | None = None) -> dict[str, np.ndarray]:
+            threads: int = 2, kv_window: int | None = None,
+            positions: Sequence[tuple[int, int]] | None = None) -> dict[str, np.ndarray]:
     """Run the prompt (text, or token ids decoded as one batch) once; return the contiguous F32 tensors whose
-    names start with one of ``names`` (flat, the first of each name)."""
+    names start with one of ``names`` (flat, the first of each name). ``positions``: (position, sequence) of each
+    token id, for a batch of several sequences at positions of their own (else one sequence from 0)."""
     prefixes = tuple(names)
     out: dict[str, np.ndarray] = {}
 
@@ -203,6 +221,8 @@ def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *,
         cp.n_ctx, cp.n_threads, cp.n_threads_batch = n_ctx, threads, threads
         if not isinstance(prompt, str):
             cp.n_batch = cp.n_ubatch = max(len(prompt), 1)
+        if positions is not None:
+            cp.n_seq_max = max(s for _, s in positions) + 1
         cp.type_k, cp.type_v = type_k, type_v
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cb.install(cp)
@@ -218,7 +238,7 @@ def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *,
                 n = L.llama_tokenize(vocab, data, len(data), toks, len(toks), True, False)
             else:
                 toks, n = (L.llama_token * len(prompt))(*prompt), len(prompt)
-            rc = L.llama_decode(ctx, L.llama_batch_get_one(toks, n))
+            rc = _decode(L, ctx, toks, n, positions)
             cb.raise_pending()
             if rc != 0:
                 raise RuntimeError("llama_decode failed")

@@ -226,24 +226,33 @@ def test_server_slots_under_load_answer_as_alone(gemma3_cal):
     assert r.mismatches == 0, r.examples
 
 
-def _self_tokens(model) -> list[int]:
-    """The token stream of the runtime's self-calibration (llama-rq.cpp), rebuilt here: BOS, then ordinary tokens
-    drawn by std::mt19937(20260401) (numpy's legacy MT19937 seeding is the same generator)."""
+def _self_tokens(model) -> tuple[list[int], list[tuple[int, int]]]:
+    """The batch of the runtime's self-calibration (llama-rq.cpp), rebuilt here: 8 sequences of n/8 tokens starting at
+    0 and at 1/64, 1/32 .. 1/2 and the end of the trained context, each a BOS and then ordinary tokens drawn by
+    std::mt19937(20260401) (numpy's legacy MT19937 seeding is the same generator). Returns ids, (position, seq)."""
     import llama_cpp as L
 
     m = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
     try:
         vocab = L.llama_model_get_vocab(m)
-        n_tok = min(1024, L.llama_model_n_ctx_train(m))
+        n_train = L.llama_model_n_ctx_train(m)
+        n_tok = min(1024, n_train)
         ordinary = [t for t in range(L.llama_vocab_n_tokens(vocab))
                     if L.llama_vocab_get_attr(vocab, t) & L.LLAMA_TOKEN_ATTR_NORMAL]
-        toks = [L.llama_vocab_bos(vocab)] if L.llama_vocab_get_add_bos(vocab) else []
+        bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
     finally:
         L.llama_model_free(m)
     bg = np.random.MT19937(0)
     bg._legacy_seeding(20260401)
-    raw = bg.random_raw(n_tok - len(toks))
-    return toks + [ordinary[int(r) % len(ordinary)] for r in raw]
+    n_seq, n_per = 8, n_tok // 8
+    span = max(n_train, n_tok)
+    ids, pos = [], []
+    for s in range(n_seq):
+        p0 = 0 if s == 0 else (span - n_per) >> (n_seq - 1 - s)
+        for i in range(n_per):
+            ids.append(bos if i == 0 and bos is not None else ordinary[int(bg.random_raw()) % len(ordinary)])
+            pos.append((p0 + i, s))
+    return ids, pos
 
 
 def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
@@ -259,9 +268,10 @@ def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
     model = tmp_path / "moe-f16.gguf"
     convert(hf, model, Options(recipe="f16", progress=False))
 
-    ids = _self_tokens(model)
+    ids, pos = _self_tokens(model)
+    assert len({s for _, s in pos}) == 8 and pos[-1][0] > len(ids)  # spread beyond one run of positions
     f16 = bindings.type_from_name("f16")
-    ref = capture(model, ids, ["attn_k_in", "attn_q_in"], type_k=f16, type_v=f16, n_ctx=len(ids))
+    ref = capture(model, ids, ["attn_k_in", "attn_q_in"], type_k=f16, type_v=f16, n_ctx=len(ids), positions=pos)
     got = capture(model, PROMPT, ["attn_k_in", "attn_k_kc"], type_k=bindings.type_from_name("q4_0"), type_v=f16)
     for il in range(2):
         k_in, k_kc = got[f"attn_k_in-{il}"], got[f"attn_k_kc-{il}"]

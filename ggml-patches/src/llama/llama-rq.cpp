@@ -348,13 +348,15 @@ const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
 }
 
 // K centring without a calibration, measured from the model itself: one forward pass (F16 cache) over
-// RQ_SELF_TOKENS pseudo-random ordinary tokens after BOS, with rq-calibrate's statistics (mu = mean of post-RoPE K,
-// lam = sqrt(max|K - mu| / max|Q|) per channel). The constant part of K comes from the weights and the model's
-// massive activations, not from what the text says: measured on Gemma3-270M (no K bias), 2K KLD of isoquant3_0
-// 0.534 uncentred, 0.093 with 1024 random tokens, 0.119 with 256 tokens of Shakespeare, 0.079 with rq-calibrate's
-// 4096. The tokens come from a fixed mt19937 stream (portable), so the statistics depend on the model only and saved
-// states stay valid; computed once per model and shared by its contexts.
+// RQ_SELF_TOKENS pseudo-random ordinary tokens in RQ_SELF_SEQS sequences (each led by BOS) at positions spread over
+// the trained context, with rq-calibrate's statistics (mu = mean of post-RoPE K, lam = sqrt(max|K - mu| / max|Q|)
+// per channel). The constant part of K comes from the weights and the model's massive activations, not from what
+// the text says: measured on Gemma3-270M (no K bias), 2K KLD of isoquant3_0 0.534 uncentred, 0.093 with 1024
+// random tokens, 0.119 with 256 tokens of Shakespeare, 0.079 with rq-calibrate's 4096. The tokens come from a fixed
+// mt19937 stream (portable), so the statistics depend on the model only and saved states stay valid; computed once
+// per model and shared by its contexts.
 static constexpr uint32_t RQ_SELF_TOKENS = 1024;
+static constexpr uint32_t RQ_SELF_SEQS   = 8;
 static constexpr float    RQ_LAM_MIN = 1.0f/256, RQ_LAM_MAX = 256.0f; // rq-calibrate's clip (converter/kcenter.py)
 
 struct llama_rq_k_center_self {
@@ -465,13 +467,24 @@ static bool rq_k_center_self_measure(const llama_model & model, int32_t n_thread
     if (ordinary.size() < 16) {
         return false;
     }
+    // RQ_SELF_SEQS sequences spread over the trained context, starting at 0 and at 1/64, 1/32 .. 1/2 and the end of
+    // it: mu is post-RoPE, and a channel pair's constant turns with the position at its RoPE frequency, so a mean over
+    // the first 1024 positions is wrong far from them (SmolLM2 decode KLD after 8K: 0.111 that way, 0.042 spread).
+    // Denser near 0 because every context uses the first positions and only long ones the last.
+    const uint32_t n_seq = RQ_SELF_SEQS, n_per = n_tok/n_seq;
+    const uint32_t span  = std::max<uint32_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : n_tok, n_tok);
+    const bool     bos   = vocab.get_add_bos() && vocab.token_bos() != LLAMA_TOKEN_NULL;
     std::vector<llama_token> toks;
-    if (vocab.get_add_bos() && vocab.token_bos() != LLAMA_TOKEN_NULL) {
-        toks.push_back(vocab.token_bos());
-    }
+    std::vector<llama_pos>   pos;
+    std::vector<llama_seq_id> seq;
     std::mt19937 rng(20260401);
-    while (toks.size() < n_tok) {
-        toks.push_back(ordinary[rng() % ordinary.size()]);
+    for (uint32_t s = 0; s < n_seq; ++s) {
+        const llama_pos p0 = s == 0 ? 0 : (llama_pos) ((span - n_per) >> (n_seq - 1 - s));
+        for (uint32_t i = 0; i < n_per; ++i) {
+            toks.push_back(i == 0 && bos ? vocab.token_bos() : ordinary[rng() % ordinary.size()]);
+            pos.push_back(p0 + (llama_pos) i);
+            seq.push_back((llama_seq_id) s);
+        }
     }
 
     rq_kc_collect col { hp, std::vector<rq_kc_layer>(hp.n_layer_all), {}, false };
@@ -479,7 +492,7 @@ static bool rq_k_center_self_measure(const llama_model & model, int32_t n_thread
     cp.n_ctx       = n_tok;
     cp.n_batch     = n_tok;
     cp.n_ubatch    = n_tok;
-    cp.n_seq_max   = 1;
+    cp.n_seq_max   = n_seq;
     cp.type_k      = GGML_TYPE_F16;
     cp.type_v      = GGML_TYPE_F16;
     cp.k_center    = LLAMA_K_CENTER_OFF;
@@ -499,9 +512,9 @@ static bool rq_k_center_self_measure(const llama_model & model, int32_t n_thread
         llama_batch b = llama_batch_init((int32_t) toks.size(), 0, 1);
         for (size_t i = 0; i < toks.size(); ++i) {
             b.token[i]     = toks[i];
-            b.pos[i]       = (llama_pos) i;
+            b.pos[i]       = pos[i];
             b.n_seq_id[i]  = 1;
-            b.seq_id[i][0] = 0;
+            b.seq_id[i][0] = seq[i];
             b.logits[i]    = i + 1 == toks.size(); // K and Q are computed for every token; one output spares the head
         }
         b.n_tokens = (int32_t) toks.size();
