@@ -84,9 +84,15 @@ def parse(spec: str) -> Build:
 
 
 def ours() -> Build:
-    """build/cpu/bin, its commit this checkout's (the tree it is built from is upstream's plus our patches)."""
+    """build/cpu/bin, its commit this checkout's (the tree it is built from is upstream's plus our patches), marked
+    "+changes" when our kernel or library sources differ from that commit (what ran is then not what it names)."""
     b = parse(f"ours={paths.bin_dir('cpu')}")
-    return Build(b.name, b.bin_dir, b.src, b.lib_dirs, _commit(paths.REPO), b.features)
+    commit = _commit(paths.REPO)
+    r = subprocess.run(["git", "-C", str(paths.REPO), "status", "--porcelain", "--", "ggml-patches", "CMakeLists.txt"],
+                       capture_output=True, text=True)
+    if commit and r.returncode == 0 and r.stdout.strip():
+        commit += "+changes"
+    return Build(b.name, b.bin_dir, b.src, b.lib_dirs, commit, b.features)
 
 
 def source_dir(build_dir: Path) -> Path:
