@@ -268,6 +268,27 @@ def _start_up(data: dict) -> str | None:
                      + "; ".join(parts) + " to the first token")
 
 
+def _needles(data: dict, ctx: int = DEPTH) -> str | None:
+    """Multi-key needles at ctx: ours (defaults) finds at least as many as every peer cache at <= BUDGET bits."""
+    parts, ok = [], True
+    for model, configs in data.items():
+        def found(c: dict | None) -> tuple[int, int] | None:
+            rows = (c or {"niah": {}})["niah"].get(ctx) or []
+            if not rows or any("error" in r for r in rows):
+                return None
+            return sum(r["found"] for r in rows), sum(r["asked"] for r in rows)
+        ours = found(configs.get(OURS))
+        peers = [(label, f) for label, c in _peers(configs) if within(bits(c)) and (f := found(c))]
+        if ours is None or not peers:
+            continue
+        ok &= all(ours[0] >= f[0] for _, f in peers)
+        parts.append(f"{_short(model)} {ours[0]}/{ours[1]}; " + ", ".join(f"{lb} {f[0]}/{f[1]}" for lb, f in peers))
+    if not parts:
+        return None
+    return holds(ok, f"needles at {ctx // 1024}K (multi-key, greedy): ours at least as many as every peer cache at "
+                     f"≤ {BUDGET} bits/value: " + "; ".join(parts))
+
+
 def _speed(data: dict) -> str | None:
     """Decode after DEPTH tokens: ours over its own f16, and the fastest peer cache at <= BUDGET bits in t/s."""
     parts = []
@@ -285,8 +306,8 @@ def _speed(data: dict) -> str | None:
 
 def verdicts(data: dict[str, dict[str, dict]]) -> list[str]:
     """What the tables say, each line checked where it claims an order (holds raises when it stops holding)."""
-    lines = [_quality(data, "kld", _what("kld")), _quality(data, "decode", _what("decode")), _speed(data),
-             _start_up(data)]
+    lines = [_quality(data, "kld", _what("kld")), _quality(data, "decode", _what("decode")), _needles(data),
+             _speed(data), _start_up(data)]
     return [x for x in lines if x]
 
 

@@ -104,3 +104,17 @@ def test_a_known_gap_is_named_and_its_answer_checked(results, monkeypatch):
     data[GEMMA]["ours:isoquant4_0"]["kld"]["kld_mean"] = 0.03  # the answer no longer answers: refused
     with pytest.raises(alt.VerdictError, match="beats stock:q4_0"):
         alt.verdicts(data)
+
+
+def test_needles_verdict_counts_ours_against_each_peer_under_the_budget(results):
+    _write(results, "versus-niah-gemma3.json", {"niah": [
+        {"config": c, "build": c.split(":")[0], "ctx": 8192, "depth": d, "found": n, "asked": 8}
+        for c, found in (("ours:isoquant3_0", (8, 8)), ("stock:q4_0", (7, 8)), ("stock:q8_0", (8, 8)))
+        for d, n in zip((0.1, 0.5), found)]})
+    data = alt.load(results)
+    line = next(v for v in alt.verdicts(data) if v.startswith("needles"))
+    assert "Gemma3 16/16; stock:q4_0 15/16" in line and "q8_0" not in line  # 8.5 bits: not a rival
+    data[GEMMA]["stock:q4_0"]["niah"][8192][0]["found"] = 8
+    data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 6
+    with pytest.raises(alt.VerdictError, match="needles"):
+        alt.verdicts(data)
