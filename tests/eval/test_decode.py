@@ -231,7 +231,7 @@ def test_gemma3_cpu_kernels_ab(gemma3):
     kernel as much), so the check is each run's distance to F16 (measured 0.0250 vs 0.0253), not to each other."""
     from rotaryquant import bindings, data
 
-    n, m = 256, 16
+    n, m = 256, 64
     toks = decode.text_tokens(gemma3, data.evaluation_text(), n + m + 1)
     spec = "isoquant3_0+w16+self"
     base = decode.run_once(gemma3, toks, n=n, m=m, cache="f16")
