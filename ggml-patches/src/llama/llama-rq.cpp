@@ -489,7 +489,7 @@ static bool rq_k_center_self_measure(const llama_model & model, int32_t n_thread
 
     rq_kc_collect col { hp, std::vector<rq_kc_layer>(hp.n_layer_all), {}, false };
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx       = n_tok;
+    cp.n_ctx       = n_seq*GGML_PAD(n_per, 256); // what llama pads each sequence's cells to anyway, without its WARN
     cp.n_batch     = n_tok;
     cp.n_ubatch    = n_tok;
     cp.n_seq_max   = n_seq;
