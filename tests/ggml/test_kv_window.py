@@ -72,7 +72,7 @@ def test_a_window_over_the_whole_context_is_the_f16_cache(runs):
 
 def test_a_short_window_moves_toward_f16(runs):
     # 16 exact positions per query (0.1 bits/value at 2K): the study predicted 2-6x lower attention error on this
-    # model (docs/NOTES.md, issue 24); here the whole 308-position run's KLD to F16 must fall by a third or more
+    # model (docs/NOTES.md, the recent window); here the whole 308-position run's KLD to F16 must fall by a third or more
     f16, plain, w16 = runs["f16"], runs["iso3"], runs["iso3_w16"]
     d_plain, d_w16 = _kld(f16, plain), _kld(f16, w16)
     assert d_w16 < 0.67 * d_plain, (d_w16, d_plain)

@@ -14,7 +14,7 @@ struct ggml_tensor;
 class  llama_kv_rq;
 
 // the recent window a context gets when it names none (kv_window -1) and its cache can take one: 16 positions keep
-// 2-6x of a 3-bit K's attention error for 0.125 bits/value at 2K (docs/NOTES.md, issue 24)
+// 2-6x of a 3-bit K's attention error for 0.125 bits/value at 2K (docs/NOTES.md, the recent window)
 #define LLAMA_RQ_KV_WINDOW_DEFAULT 16
 
 // the RotaryQuant fields of llama_context_params, fixed for the life of a context
