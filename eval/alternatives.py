@@ -253,20 +253,26 @@ def _quality(data: dict, measure: str, what: str) -> str | None:
                      + "; ".join(parts) + ("; except " + ", ".join(gaps) if gaps else ""))
 
 
+NEXT_START_S = 0.5  # what a later start of ours may add over its F16 start, K statistics kept from the first
+
+
 def _start_up(data: dict) -> str | None:
-    """The gap at start-up: ours measures K statistics on a file without calibration, the peers measure nothing."""
+    """Start-up on a file without calibration: ours measures K statistics at its first start (the peers measure
+    nothing) and keeps them, so a later start adds at most NEXT_START_S over its F16 start."""
     parts, ok = [], True
     for model, configs in data.items():
         ours = _value(configs.get(OURS), "ttft", "added_s")
+        later = _value(configs.get(OURS), "ttft", "added_kept_s")
         peers = [v for _, c in _peers(configs) if (v := _value(c, "ttft", "added_s")) is not None]
         if ours is None or not peers:
             continue
-        ok &= ours > max(peers)
-        parts.append(f"{_short(model)} +{ours:.1f} s (peers at most {max(peers):+.2f} s)")
+        ok &= ours > max(peers) and (later is None or later <= NEXT_START_S)
+        nxt = f", later starts {later:+.2f} s" if later is not None else ", every start"
+        parts.append(f"{_short(model)} first start +{ours:.1f} s{nxt} (peers at most {max(peers):+.2f} s)")
     if not parts:
         return None
-    return holds(ok, "start-up on a file without calibration is where ours loses: measuring K statistics adds "
-                     + "; ".join(parts) + " to the first token")
+    return holds(ok, "start-up on a file without calibration: ours measures K statistics once per model file and "
+                     "keeps them, which the first start pays: " + "; ".join(parts) + " to the first token")
 
 
 def _needles(data: dict, ctx: int = DEPTH) -> str | None:

@@ -29,6 +29,7 @@ _FEATURES = {
     "RQ_PROBE_HAD": re.compile(r"\bbool\s+k_cache_hadamard\s*;"),
     "RQ_PROBE_RQ": re.compile(r"\bint32_t\s+kv_window\s*;"),
     "RQ_PROBE_SWA_FULL": re.compile(r"\bbool\s+swa_full\s*;"),
+    "RQ_PROBE_KSTATS": re.compile(r"\bconst\s+char\s*\*\s*k_stats_path\s*;"),
 }
 # environment variables that change what a build's flags mean: cleared for every run, so each runs its defaults
 CLEARED_ENV = ("LLAMA_", "GGML_ISOQUANT_", "GGML_RQ_", "TURBO_")

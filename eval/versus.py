@@ -12,7 +12,8 @@ slightly different F16 logits. Four measurements:
   the steps against the build's F16 run, and prefill / decode t/s over the same build's F16 in the same round
   (rounds interleaved, every other one reversed, as ``rq-eval decode -r``);
 - ``ttft``: rq-probe from process start to the first token's logits on a short prompt (model load, context creation
-  and anything the build does at start-up, e.g. measuring K statistics);
+  and anything the build does at start-up, e.g. measuring K statistics): a first start with nothing kept from before,
+  and, for a build that keeps what it measured (ours: K statistics, --k-stats), the start after it;
 - ``niah``: rq-probe evaluates each haystack once, asks every needle from a saved copy of its state, greedy answers.
 
 Bits per value are read from the KV cache size each build's log prints (never from the flag: a build may change
@@ -354,7 +355,8 @@ def _ratios(rows: list[dict], keys: Sequence[str]) -> None:
 
 def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prompt: int = 16,
          rounds: int = 3, threads: int = 2, progress: Progress = print) -> list[dict]:
-    """Seconds from process start to the first token's logits for a `prompt`-token prompt, median of rounds."""
+    """Seconds from process start to the first token's logits for a `prompt`-token prompt, median of rounds: a first
+    start (nothing kept), and where the build keeps K statistics the next start from what the first kept."""
     from rotaryquant.eval import decode as dec
 
     toks = dec.text_tokens(model, text, prompt)
@@ -367,8 +369,10 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
             if cfg in rows and "error" in rows[cfg]:
                 continue
             progress(f"[rq-eval versus] ttft: {cfg.label} (round {rnd + 1}/{rounds})")
+            keeps = "RQ_PROBE_KSTATS" in builds[cfg.build].features
+            kept = Path(tempfile.mkdtemp(prefix="k-stats-", dir=tmp))  # empty: a first start
             cmd = _probe_cmd(builds[cfg.build], "decode", model, 4096, cfg, threads, "--tokens", str(tok_file),
-                             "--prefill", str(prompt), "--steps", "0")
+                             "--prefill", str(prompt), "--steps", "0", *(["--k-stats", str(kept)] if keeps else []))
             rc, out, err, wall = _run(cmd, env=cfg.env())
             if cfg not in rows:
                 rows[cfg] = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags),
@@ -379,11 +383,19 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
             t = _json_line(out)
             times[cfg].append({"first_token_s": t["first_token_s"], "ctx_s": t["ctx_s"], "wall_s": wall})
             progress(f"[rq-eval versus]   first token after {t['first_token_s']:.2f} s (context {t['ctx_s']:.2f} s)")
+            if keeps and any(kept.iterdir()):
+                rc2, out2, err2, _ = _run(cmd, env=cfg.env())
+                if rc2 != 0:
+                    rows[cfg].update(_failure(rc2, out2 + err2))
+                    continue
+                t2 = _json_line(out2)
+                times[cfg][-1].update(first_token_kept_s=t2["first_token_s"], ctx_kept_s=t2["ctx_s"])
+                progress(f"[rq-eval versus]   the next start: first token after {t2['first_token_s']:.2f} s")
     out_rows = []
     for cfg in order:
         r = rows[cfg]
-        for k in ("first_token_s", "ctx_s", "wall_s"):
-            if times[cfg]:
+        for k in ("first_token_s", "ctx_s", "wall_s", "first_token_kept_s", "ctx_kept_s"):
+            if times[cfg] and all(k in x for x in times[cfg]):
                 r[k + "_rounds"] = [round(x[k], 3) for x in times[cfg]]
                 r[k] = round(statistics.median(r[k + "_rounds"]), 3)
         out_rows.append(r)
@@ -392,6 +404,8 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
         b = base.get(r["build"])
         if b and r.get("first_token_s") is not None and b.get("first_token_s") is not None:
             r["added_s"] = round(r["first_token_s"] - b["first_token_s"], 3)
+            if r.get("first_token_kept_s") is not None:
+                r["added_kept_s"] = round(r["first_token_kept_s"] - b["first_token_s"], 3)
     return out_rows
 
 
@@ -552,7 +566,9 @@ def _title_ttft(res: dict) -> str:
 
 def _rows_ttft(rows: list[dict]) -> list[str]:
     return _columns(rows, [("first token s", "first_token_s", 2), ("context creation s", "ctx_s", 2),
-                           ("added over the build's F16 s", "added_s", 2)])
+                           ("added over the build's F16 s", "added_s", 2),
+                           ("next start: first token s", "first_token_kept_s", 2),
+                           ("next start: added s", "added_kept_s", 2)])
 
 
 def _title_niah(res: dict) -> str:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from rotaryquant import assets, paths
 from rotaryquant.bindings import tools
+
+# the tools and Llama(...) keep measured K statistics in LLAMA_CACHE/rq-k-stats: the suite's stay out of the user's
+_cache = tempfile.mkdtemp(prefix="rq-tests-llama-cache-")
+os.environ["LLAMA_CACHE"] = _cache
+atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

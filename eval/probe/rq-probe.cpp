@@ -4,12 +4,13 @@
 // libllama, so the same steps run through each build's library: a prompt prefilled in 512-token calls,
 // then teacher-forced single-token decode steps (logits of every step written out), or a needle
 // haystack evaluated once and each question asked from a saved copy of its state. The API differences
-// between builds are four compile-time switches, set by the Python side from the build's llama.h:
+// between builds are compile-time switches, set by the Python side from the build's llama.h:
 //   RQ_PROBE_FA_TYPE  llama_context_params.flash_attn_type (newer API) instead of bool flash_attn
 //   RQ_PROBE_BATCH4   llama_batch_get_one(tokens, n, pos_0, seq_id) (older API)
 //   RQ_PROBE_HAD      ik_llama.cpp's k_cache_hadamard / v_cache_hadamard (-khad, -vhad)
 //   RQ_PROBE_RQ       ours: kv_window, k_center, kv_deferred, kv_layer_types, iso_unfused
 //   RQ_PROBE_SWA_FULL llama_context_params.swa_full: set false, as the build's own tools do (common's default)
+//   RQ_PROBE_KSTATS   ours: k_stats_path (--k-stats PATH keeps measured K statistics there; without it, not kept)
 // Flags not compiled in are refused by name, so a config never runs as something else.
 // The build's own log goes to stderr (the KV cache size lines are read from it); one JSON line of
 // timings goes to stdout.
@@ -67,7 +68,7 @@ struct opts {
     bool fa = true, khad = false, vhad = false;
     bool rq_no_k_center = false, rq_deferred = false, rq_unfused = false;
     int rq_window = -1;
-    std::string rq_layer_types;
+    std::string rq_layer_types, rq_k_stats;
 };
 
 static void usage() {
@@ -80,6 +81,9 @@ static void usage() {
 #endif
 #ifdef RQ_PROBE_RQ
         " --kv-window N --no-k-center --kv-deferred --kv-layer-types S --iso-unfused"
+#endif
+#ifdef RQ_PROBE_KSTATS
+        " --k-stats PATH"
 #endif
         "\n");
     exit(2);
@@ -118,6 +122,9 @@ static opts parse(int argc, char ** argv) {
         else if (a == "--kv-deferred") o.rq_deferred = true;
         else if (a == "--kv-layer-types") o.rq_layer_types = val();
         else if (a == "--iso-unfused") o.rq_unfused = true;
+#endif
+#ifdef RQ_PROBE_KSTATS
+        else if (a == "--k-stats") o.rq_k_stats = val();
 #endif
         else die("unknown flag for this build: " + a);
     }
@@ -183,6 +190,9 @@ int main(int argc, char ** argv) {
     if (o.rq_deferred) cp.kv_deferred = -1;
     if (!o.rq_layer_types.empty()) cp.kv_layer_types = o.rq_layer_types.c_str();
     cp.iso_unfused = o.rq_unfused;
+#endif
+#ifdef RQ_PROBE_KSTATS
+    if (!o.rq_k_stats.empty()) cp.k_stats_path = o.rq_k_stats.c_str();
 #endif
     t0 = std::chrono::steady_clock::now();
     llama_context * ctx = llama_init_from_model(model, cp);

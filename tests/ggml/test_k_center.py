@@ -12,6 +12,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 from rotaryquant import bindings
 from rotaryquant.eval.logits import kld as _kld
@@ -187,21 +188,23 @@ def test_log_says_which_mode_is_active(bin_dir, smollm2, smol_cal):
 
 def test_an_uncalibrated_low_bit_k_cache_warns_at_the_default_log_level(bin_dir, smollm2):
     # a new user's first run: no -v, no calibration, a 3-bit K cache; the log must say what the runtime does about it
+    # (--k-stats none: measured at this start, as at a first start)
     cmd = [str(bin_dir / "llama-completion"), "-m", str(smollm2), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
-           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0"]
+           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "--k-stats", "none", "-ctk", "isoquant3_0", "-ctv",
+           "isoquant3_0"]
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMA_K_CENTER", "LLAMA_ARG_NO_K_CENTER")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    on = [ln for ln in proc.stderr.splitlines() if "K centring = on, self-calibrated" in ln]
-    assert on and "rq-calibrate" in on[0] and "30 of 30 layers" in on[0], proc.stderr[-3000:]
+    on = [ln for ln in proc.stderr.splitlines() if "K statistics measured on" in ln]
+    assert on and "pseudo-random tokens" in on[0] and "not stored" in on[0], proc.stderr[-3000:]
     off = subprocess.run([*cmd, "--no-k-center"], capture_output=True, text=True, timeout=300, env=env)
     warn = [ln for ln in off.stderr.splitlines() if "K centring = off" in ln]
     assert off.returncode == 0 and warn and "isoquant3_64 K cache" in warn[0], off.stderr[-3000:]
-    assert "self-calibrated" not in off.stderr
+    assert "K statistics" not in off.stderr
     q8 = subprocess.run([*cmd[:-4], "-ctk", "q8_0", "-ctv", "q8_0"], capture_output=True, text=True, timeout=300,
                         env=env)
     assert q8.returncode == 0 and "K centring = off" not in q8.stderr  # 8-bit K keeps quality: no warning
-    assert "self-calibrated" not in q8.stderr  # ... and no measuring pass
+    assert "K statistics" not in q8.stderr  # ... and no measuring pass
 
 
 def test_calibration_of_another_model_is_refused_at_load(bin_dir, gemma3, smol_cal, tmp_path):
@@ -226,8 +229,8 @@ def test_server_slots_under_load_answer_as_alone(gemma3_cal):
     assert r.mismatches == 0, r.examples
 
 
-def _self_tokens(model) -> tuple[list[int], list[tuple[int, int]]]:
-    """The batch of the runtime's self-calibration (llama-rq.cpp), rebuilt here: 8 sequences of n/8 tokens starting at
+def _self_tokens(model, n_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """The batch of the runtime's self-calibration (llama-rq-kstats.cpp), rebuilt here: 8 sequences of n/8 tokens at
     0 and at 1/64, 1/32 .. 1/2 and the end of the trained context, each a BOS and then ordinary tokens drawn by
     std::mt19937(20260401) (numpy's legacy MT19937 seeding is the same generator). Returns ids, (position, seq)."""
     import llama_cpp as L
@@ -236,7 +239,7 @@ def _self_tokens(model) -> tuple[list[int], list[tuple[int, int]]]:
     try:
         vocab = L.llama_model_get_vocab(m)
         n_train = L.llama_model_n_ctx_train(m)
-        n_tok = min(1024, n_train)
+        n_tok = min(n_tokens, n_train)
         ordinary = [t for t in range(L.llama_vocab_n_tokens(vocab))
                     if L.llama_vocab_get_attr(vocab, t) & L.LLAMA_TOKEN_ATTR_NORMAL]
         bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
@@ -268,11 +271,20 @@ def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
     model = tmp_path / "moe-f16.gguf"
     convert(hf, model, Options(recipe="f16", progress=False))
 
-    ids, pos = _self_tokens(model)
+    # the tools store what the graph uses for later starts: the batch is rebuilt from its size there
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
+           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "q4_0", "--k-stats", str(tmp_path / "ks.gguf")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "K statistics measured on" in proc.stderr  # a WARN line: shown without -v
+    fields = GGUFReader(tmp_path / "ks.gguf").fields
+    ids, pos = _self_tokens(model, int(fields["rotaryquant.k_stats.n_tokens"].contents()))
     assert len({s for _, s in pos}) == 8 and pos[-1][0] > len(ids)  # spread beyond one run of positions
     f16 = bindings.type_from_name("f16")
     ref = capture(model, ids, ["attn_k_in", "attn_q_in"], type_k=f16, type_v=f16, n_ctx=len(ids), positions=pos)
     got = capture(model, PROMPT, ["attn_k_in", "attn_k_kc"], type_k=bindings.type_from_name("q4_0"), type_v=f16)
+    mean = np.asarray(fields["rotaryquant.k_center.mean"].contents(), np.float32).reshape(2, -1)
+    scale = np.asarray(fields["rotaryquant.k_center.scale"].contents(), np.float32).reshape(2, -1)
     for il in range(2):
         k_in, k_kc = got[f"attn_k_in-{il}"], got[f"attn_k_kc-{il}"]
         st = kcenter.LayerStats(n_head_kv=ref[f"attn_k_in-{il}"].size // (len(ids) * 64), head_dim=64)
@@ -282,11 +294,7 @@ def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
         k_in, k_kc = k_in.reshape(-1, *mu.shape), k_kc.reshape(-1, *mu.shape)
         assert np.abs(mu).max() > 1e-3 and np.abs(lam - 1).max() > 1e-2  # both parts of the rewrite are at work
         np.testing.assert_allclose(k_kc, (k_in - mu) / lam, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(mean[il], mu.ravel(), rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(scale[il], lam.ravel(), rtol=2e-4)
     off = capture(model, PROMPT, ["attn_k_kc"], type_k=bindings.type_from_name("q4_0"), type_v=f16, k_center="off")
     assert not off  # --no-k-center: nothing rewritten
-
-    cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "2", "--temp", "0", "-no-cnv",
-           "-t", "2", "-c", "256", "--no-warmup", "-fa", "on", "-ctk", "q4_0"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "K centring = on, self-calibrated" in proc.stderr  # a WARN line: shown without -v

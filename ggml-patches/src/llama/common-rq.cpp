@@ -5,11 +5,32 @@
 #include "ggml-rq.h"
 
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <stdexcept>
 #include <string>
 
+const char * common_rq_k_stats_path(const std::string & arg) {
+    if (arg == "none") {
+        return "";
+    }
+    if (!arg.empty()) {
+        return arg.c_str(); // as kv_layer_types: valid while the common_params that hold it
+    }
+    static const std::string dflt = [] {
+        try {
+            return fs_path_to_utf8(fs_get_cache_directory() / "rq-k-stats");
+        } catch (const std::exception &) {
+            return std::string(); // no home or cache directory: measured at every start
+        }
+    }();
+    return dflt.c_str();
+}
+
 void common_rq_params_from_env(llama_context_params & cparams) {
+    if (!cparams.k_stats_path) {
+        cparams.k_stats_path = common_rq_k_stats_path(""); // tools without --k-stats (llama-bench) keep them too
+    }
     const auto env = [](const char * name) -> std::string {
         const char * v = getenv(name);
         return v ? v : "";

@@ -22,7 +22,6 @@ struct llama_rq_params {
     bool    iso_unfused = false;               // IsoQuant K/V dequantised to F16 before attention
     int32_t k_center    = LLAMA_K_CENTER_AUTO; // enum llama_k_center
     int64_t kv_deferred = 0;                   // deferred prefill budget in cells: 0 off, -1 the whole cache
-    int32_t n_threads   = 0;                   // the context's batch threads (the self-calibration pass uses them)
     std::string kv_layer_types;                // per-layer K/V cache types (llama.h: kv_layer_types)
     int32_t kv_window   = -1;                  // exact recent window in positions, -1 the default (llama.h: kv_window)
 };
@@ -35,7 +34,7 @@ struct llama_rq_k_center_data {
     std::vector<float>   mu;
     std::vector<float>   lam;
 
-    // an uncalibrated model's self-calibration (llama-rq.cpp), measured once for all contexts of the model
+    // an uncalibrated model's measured statistics (llama-rq.h), shared by all contexts of the model
     std::shared_ptr<llama_rq_k_center_self> self;
 };
 

@@ -9,7 +9,6 @@
 
 #include "ggml-backend.h"
 #include "ggml-rq.h"
-#include "gguf.h"
 
 #include <algorithm>
 #include <cinttypes>
@@ -18,8 +17,6 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <mutex>
-#include <random>
 #include <stdexcept>
 #include <tuple>
 
@@ -159,62 +156,6 @@ std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec
 }
 
 //
-// K-centring calibration in the GGUF (stock builds ignore the unknown keys)
-//
-
-void llama_rq_load_k_center(const gguf_context * ctx, const llama_hparams & hparams, llama_rq_k_center_data & out) {
-    out.self = std::make_shared<llama_rq_k_center_self>();
-    const int kid_ver = gguf_find_key(ctx, "rotaryquant.k_center.version");
-    if (kid_ver < 0) {
-        return;
-    }
-    const uint32_t ver = gguf_get_kv_type(ctx, kid_ver) == GGUF_TYPE_UINT32 ? gguf_get_val_u32(ctx, kid_ver) : 0;
-    if (ver != 1) {
-        throw std::runtime_error(format("rotaryquant.k_center.version %u is not supported by this build (1); "
-            "re-run rq-calibrate with this version", ver));
-    }
-    auto arr = [&](const char * key, gguf_type type) -> int {
-        const int kid = gguf_find_key(ctx, key);
-        if (kid < 0 || gguf_get_kv_type(ctx, kid) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx, kid) != type) {
-            throw std::runtime_error(format("%s is missing or not an array of %s; re-run rq-calibrate", key, gguf_type_name(type)));
-        }
-        return kid;
-    };
-    const int kid_l  = arr("rotaryquant.k_center.layers", GGUF_TYPE_INT32);
-    const int kid_mu = arr("rotaryquant.k_center.mean",   GGUF_TYPE_FLOAT32);
-    const int kid_s  = arr("rotaryquant.k_center.scale",  GGUF_TYPE_FLOAT32);
-
-    const uint32_t n_layer = hparams.n_layer_all;
-    const int32_t * il_arr = (const int32_t *) gguf_get_arr_data(ctx, kid_l);
-    std::vector<int32_t> off(n_layer, -1);
-    size_t n = 0;
-    for (size_t i = 0; i < gguf_get_arr_n(ctx, kid_l); ++i) {
-        const int32_t il = il_arr[i];
-        if (il < 0 || (uint32_t) il >= n_layer || !hparams.has_kv(il) || off[il] >= 0) {
-            throw std::runtime_error(format("rotaryquant.k_center.layers lists layer %d, which has no KV cache in this model; "
-                "the calibration belongs to another model: re-run rq-calibrate on this file", il));
-        }
-        off[il] = (int32_t) n;
-        n += hparams.n_embd_k_gqa(il);
-    }
-    if (gguf_get_arr_n(ctx, kid_mu) != n || gguf_get_arr_n(ctx, kid_s) != n) {
-        throw std::runtime_error(format("rotaryquant.k_center has %zu/%zu values where this model needs %zu; "
-            "the calibration belongs to another model: re-run rq-calibrate on this file",
-            gguf_get_arr_n(ctx, kid_mu), gguf_get_arr_n(ctx, kid_s), n));
-    }
-    const float * mu  = (const float *) gguf_get_arr_data(ctx, kid_mu);
-    const float * lam = (const float *) gguf_get_arr_data(ctx, kid_s);
-    for (size_t i = 0; i < n; ++i) {
-        if (!std::isfinite(mu[i]) || !std::isfinite(lam[i]) || !(lam[i] > 0.0f)) {
-            throw std::runtime_error("rotaryquant.k_center holds a non-finite mean or a non-positive scale; re-run rq-calibrate");
-        }
-    }
-    out.off = std::move(off);
-    out.mu.assign(mu, mu + n);
-    out.lam.assign(lam, lam + n);
-}
-
-//
 // batch split by phase
 //
 
@@ -347,249 +288,27 @@ const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
     return kc[kv.map_layer_ids.at(il)];
 }
 
-// K centring without a calibration, measured from the model itself: one forward pass (F16 cache) over
-// RQ_SELF_TOKENS pseudo-random ordinary tokens in RQ_SELF_SEQS sequences (each led by BOS) at positions spread over
-// the trained context, with rq-calibrate's statistics (mu = mean of post-RoPE K, lam = sqrt(max|K - mu| / max|Q|)
-// per channel). The constant part of K comes from the weights and the model's massive activations, not from what
-// the text says: measured on Gemma3-270M (no K bias), 2K KLD of isoquant3_0 0.534 uncentred, 0.093 with 1024
-// random tokens, 0.119 with 256 tokens of Shakespeare, 0.079 with rq-calibrate's 4096. The tokens come from a fixed
-// mt19937 stream (portable), so the statistics depend on the model only and saved states stay valid; computed once
-// per model and shared by its contexts.
-static constexpr uint32_t RQ_SELF_TOKENS = 1024;
-static constexpr uint32_t RQ_SELF_SEQS   = 8;
-static constexpr float    RQ_LAM_MIN = 1.0f/256, RQ_LAM_MAX = 256.0f; // rq-calibrate's clip (converter/kcenter.py)
-
-struct llama_rq_k_center_self {
-    std::mutex             mtx;
-    bool                   done = false;
-    double                 secs = 0.0;
-    uint32_t               n_tokens = 0;
-    llama_rq_k_center_data data; // off empty: not measured (no BOS-led ordinary tokens, or the pass failed)
-};
-
-namespace {
-struct rq_kc_layer {
-    int64_t             n = 0;
-    std::vector<double> sum;
-    std::vector<float>  kmin, kmax, qmax; // [n_head_kv*hd]
-};
-
-struct rq_kc_collect {
-    const llama_hparams &    hp;
-    std::vector<rq_kc_layer> layers;
-    std::vector<uint8_t>     buf;
-    bool                     bad = false;
-};
-}
-
-// strided read of an F32 [hd, n_head, n_tokens] view: f(token, head, channel, value)
-template <typename F>
-static void rq_read_f32(const ggml_tensor * t, std::vector<uint8_t> & buf, F && f) {
-    buf.resize(ggml_nbytes(t));
-    ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
-    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2) {
-        for (int64_t i1 = 0; i1 < t->ne[1]; ++i1) {
-            const uint8_t * row = buf.data() + i1*t->nb[1] + i2*t->nb[2];
-            for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
-                f(i2, i1, i0, *(const float *) (row + i0*t->nb[0]));
-            }
-        }
-    }
-}
-
-static bool rq_kc_cb(ggml_tensor * t, bool ask, void * ud) {
-    auto * c = (rq_kc_collect *) ud;
-    const bool is_k = strncmp(t->name, "attn_k_in-", 10) == 0;
-    const bool is_q = strncmp(t->name, "attn_q_in-", 10) == 0;
-    if (ask || (!is_k && !is_q)) {
-        return is_k || is_q;
-    }
-    const int il = atoi(t->name + 10);
-    if (t->type != GGML_TYPE_F32 || t->ne[3] != 1 || il < 0 || (size_t) il >= c->layers.size() || !c->hp.has_kv(il)) {
-        c->bad = c->bad || is_k;
-        return true;
-    }
-    const int64_t hd = c->hp.n_embd_head_k(il), nkv = c->hp.n_head_kv(il);
-    auto & L = c->layers[il];
-    if (L.sum.empty()) {
-        L.sum.assign(hd*nkv, 0.0);
-        L.kmin.assign(hd*nkv, INFINITY);
-        L.kmax.assign(hd*nkv, -INFINITY);
-        L.qmax.assign(hd*nkv, 0.0f);
-    }
-    if (t->ne[0] != hd || (is_k && t->ne[1] != nkv) || (is_q && t->ne[1] % nkv != 0)) {
-        c->bad = true;
-        return true;
-    }
-    if (is_k) {
-        L.n += t->ne[2];
-        rq_read_f32(t, c->buf, [&](int64_t, int64_t h, int64_t j, float x) {
-            const int64_t i = h*hd + j;
-            L.sum[i] += x;
-            L.kmin[i] = std::min(L.kmin[i], x);
-            L.kmax[i] = std::max(L.kmax[i], x);
-        });
-    } else {
-        const int64_t g = t->ne[1]/nkv; // query head h reads KV head h/g
-        rq_read_f32(t, c->buf, [&](int64_t, int64_t h, int64_t j, float x) {
-            float & m = L.qmax[(h/g)*hd + j];
-            m = std::max(m, std::fabs(x));
-        });
-    }
-    return true;
-}
-
-// drops llama's INFO/DEBUG lines while the pass builds its own context (the caller has already said what it does)
-struct rq_log_quiet {
-    ggml_log_callback prev_cb = nullptr;
-    void *            prev_ud = nullptr;
-    rq_log_quiet()  { llama_log_get(&prev_cb, &prev_ud); llama_log_set(filter, this); }
-    ~rq_log_quiet() { llama_log_set(prev_cb, prev_ud); }
-    static void filter(ggml_log_level level, const char * text, void * ud) {
-        auto * q = (rq_log_quiet *) ud;
-        if ((level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) && q->prev_cb) {
-            q->prev_cb(level, text, q->prev_ud);
-        }
-    }
-};
-
-static bool rq_k_center_self_measure(const llama_model & model, int32_t n_threads, llama_rq_k_center_self & out) {
-    const llama_hparams & hp    = model.hparams;
-    const llama_vocab   & vocab = model.vocab;
-    const uint32_t n_tok = std::min<uint32_t>(RQ_SELF_TOKENS, hp.n_ctx_train > 0 ? hp.n_ctx_train : RQ_SELF_TOKENS);
-
-    std::vector<llama_token> ordinary;
-    for (llama_token t = 0; t < (llama_token) vocab.n_tokens(); ++t) {
-        if (vocab.token_get_attr(t) & LLAMA_TOKEN_ATTR_NORMAL) {
-            ordinary.push_back(t);
-        }
-    }
-    if (ordinary.size() < 16) {
-        return false;
-    }
-    // RQ_SELF_SEQS sequences spread over the trained context, starting at 0 and at 1/64, 1/32 .. 1/2 and the end of
-    // it: mu is post-RoPE, and a channel pair's constant turns with the position at its RoPE frequency, so a mean over
-    // the first 1024 positions is wrong far from them (SmolLM2 decode KLD after 8K: 0.111 that way, 0.042 spread).
-    // Denser near 0 because every context uses the first positions and only long ones the last.
-    const uint32_t n_seq = RQ_SELF_SEQS, n_per = n_tok/n_seq;
-    const uint32_t span  = std::max<uint32_t>(hp.n_ctx_train > 0 ? hp.n_ctx_train : n_tok, n_tok);
-    const bool     bos   = vocab.get_add_bos() && vocab.token_bos() != LLAMA_TOKEN_NULL;
-    std::vector<llama_token> toks;
-    std::vector<llama_pos>   pos;
-    std::vector<llama_seq_id> seq;
-    std::mt19937 rng(20260401);
-    for (uint32_t s = 0; s < n_seq; ++s) {
-        const llama_pos p0 = s == 0 ? 0 : (llama_pos) ((span - n_per) >> (n_seq - 1 - s));
-        for (uint32_t i = 0; i < n_per; ++i) {
-            toks.push_back(i == 0 && bos ? vocab.token_bos() : ordinary[rng() % ordinary.size()]);
-            pos.push_back(p0 + (llama_pos) i);
-            seq.push_back((llama_seq_id) s);
-        }
-    }
-
-    rq_kc_collect col { hp, std::vector<rq_kc_layer>(hp.n_layer_all), {}, false };
-    llama_context_params cp = llama_context_default_params();
-    cp.n_ctx       = n_seq*GGML_PAD(n_per, 256); // what llama pads each sequence's cells to anyway, without its WARN
-    cp.n_batch     = n_tok;
-    cp.n_ubatch    = n_tok;
-    cp.n_seq_max   = n_seq;
-    cp.type_k      = GGML_TYPE_F16;
-    cp.type_v      = GGML_TYPE_F16;
-    cp.k_center    = LLAMA_K_CENTER_OFF;
-    cp.kv_deferred = 0;
-    cp.no_perf     = true;
-    cp.cb_eval           = rq_kc_cb;
-    cp.cb_eval_user_data = &col;
-    if (n_threads > 0) {
-        cp.n_threads = cp.n_threads_batch = n_threads;
-    }
-    {
-        rq_log_quiet quiet;
-        llama_context * lctx = llama_init_from_model(const_cast<llama_model *>(&model), cp);
-        if (!lctx) {
-            return false;
-        }
-        llama_batch b = llama_batch_init((int32_t) toks.size(), 0, 1);
-        for (size_t i = 0; i < toks.size(); ++i) {
-            b.token[i]     = toks[i];
-            b.pos[i]       = pos[i];
-            b.n_seq_id[i]  = 1;
-            b.seq_id[i][0] = seq[i];
-            b.logits[i]    = i + 1 == toks.size(); // K and Q are computed for every token; one output spares the head
-        }
-        b.n_tokens = (int32_t) toks.size();
-        const int32_t rc = llama_decode(lctx, b);
-        llama_batch_free(b);
-        llama_free(lctx);
-        if (rc != 0 || col.bad) {
-            return false;
-        }
-    }
-
-    auto & d = out.data;
-    d.off.assign(hp.n_layer_all, -1);
-    for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
-        const rq_kc_layer & L = col.layers[il];
-        if (L.n == 0) {
-            continue;
-        }
-        d.off[il] = (int32_t) d.mu.size();
-        for (size_t i = 0; i < L.sum.size(); ++i) {
-            const float mu   = (float) (L.sum[i]/L.n);
-            const float kdev = std::max(L.kmax[i] - mu, mu - L.kmin[i]);
-            const float lam  = std::sqrt(std::max(kdev, 1e-6f)/std::max(L.qmax[i], 1e-6f));
-            d.mu.push_back(mu);
-            d.lam.push_back(std::clamp(lam, RQ_LAM_MIN, RQ_LAM_MAX));
-        }
-    }
-    if (d.mu.empty()) {
-        d = {};
-        return false;
-    }
-    out.n_tokens = (uint32_t) toks.size();
-    return true;
-}
-
-// the model's self-calibration, measured on first use (false: not available for this model)
-static const llama_rq_k_center_self * rq_k_center_self(const llama_model & model, int32_t n_threads) {
-    llama_rq_k_center_self * s = model.rq_k_center.self.get();
-    if (!s || model.hparams.no_alloc) {
-        return nullptr;
-    }
-    std::lock_guard<std::mutex> lock(s->mtx);
-    if (!s->done) {
-        LLAMA_LOG_WARN("%s: the model has no rotaryquant.k_center calibration: measuring K statistics on %u "
-            "pseudo-random tokens for K centring (once per model; rq-calibrate stores calibrated ones in the file)\n",
-            __func__, RQ_SELF_TOKENS);
-        const int64_t t0 = ggml_time_us();
-        rq_k_center_self_measure(model, n_threads, *s);
-        s->secs = (ggml_time_us() - t0)/1e6;
-        s->done = true;
-    }
-    return s->data.off.empty() ? nullptr : s;
-}
-
 void llama_kv_rq::init_k_center(ggml_type type_k) {
     const llama_model   & model   = kv.model;
     const llama_hparams & hparams = kv.hparams;
 
-    // measured: uncalibrated 3- and 4-bit K caches break models whose keys carry large per-channel offsets (Qwen2.5
-    // repeats one word with isoquant3_0 or q4_0 K); 8-bit K keeps their quality
     const bool   quantized = ggml_is_quantized(type_k);
     const double bpv       = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
-    const bool   needs     = quantized && bpv < 6.0;
+    const bool   needs     = llama_rq_k_needs_center(type_k);
 
+    // measured before the context was created (llama_rq_k_stats_for_context)
     const llama_rq_k_center_self * self = model.rq_k_center.off.empty() && params.k_center != LLAMA_K_CENTER_OFF && needs
-                                          ? rq_k_center_self(model, params.n_threads) : nullptr;
+                                          ? llama_rq_k_stats(model) : nullptr;
     const auto & cal = self ? self->data : model.rq_k_center;
     if (cal.off.empty()) {
         if (needs && params.k_center == LLAMA_K_CENTER_OFF) {
             LLAMA_LOG_WARN("%s: K centring = off (--no-k-center, k_center = off): a %s K cache (%.2f bits/value) loses "
                 "much of the model's quality without it on many models\n", __func__, ggml_type_name(type_k), bpv);
         } else if (needs && !hparams.no_alloc) {
-            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration and measuring one "
-                "failed; a %s K cache (%.2f bits/value) loses much of the model's quality without it on many models: run "
-                "rq-calibrate on the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
+            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration and no K statistics "
+                "were measured (the measurement failed, or the context was not created by llama_init_from_model); a %s K "
+                "cache (%.2f bits/value) loses much of the model's quality without it on many models: run rq-calibrate "
+                "on the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
         } else if (quantized) {
             LLAMA_LOG_INFO("%s: K centring = off (the model has no rotaryquant.k_center calibration; rq-calibrate adds it)\n", __func__);
         }
@@ -683,9 +402,8 @@ void llama_kv_rq::init_k_center(ggml_type type_k) {
         }
     }
     if (self) {
-        LLAMA_LOG_WARN("%s: K centring = on, self-calibrated (%u pseudo-random tokens, %.1f s; %d of %d layers): the "
-            "model has no rotaryquant.k_center calibration; rq-calibrate stores a better one in the file\n",
-            __func__, self->n_tokens, self->secs, n_cal, (int) kv.layers.size());
+        LLAMA_LOG_INFO("%s: K centring = on, self-calibrated (%d of %d layers; K statistics %s)\n", __func__, n_cal,
+            (int) kv.layers.size(), self->source.c_str());
     } else {
         LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
                 __func__, n_cal, (int) kv.layers.size());

@@ -18,9 +18,12 @@
 
 #include <bitset>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <vector>
 
 struct gguf_context;
+struct llama_model_loader;
 struct llm_graph_context;
 class  llama_batch_allocr;
 class  llama_io_read_i;
@@ -51,8 +54,40 @@ std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec
 // architectures whose K cache is written or read outside build_attn: neither hook reaches them
 bool llama_rq_arch_unhooked(llm_arch arch);
 
-// reads rotaryquant.k_center.* (throws with the fix on a malformed or foreign calibration)
-void llama_rq_load_k_center(const gguf_context * ctx, const llama_hparams & hparams, llama_rq_k_center_data & out);
+//
+// K statistics (llama-rq-kstats.cpp): mu/lam of K centring from the model's calibration (rotaryquant.k_center, written
+// by rq-calibrate) or, without one, measured from the model once and kept in a stats file (llama.h: k_stats_path)
+//
+
+// what a model without a calibration measured or loaded, once for all its contexts
+struct llama_rq_k_center_self {
+    std::mutex             mtx;
+    bool                   done = false;
+    std::string            id;                  // the model's content identity (names its stats file)
+    std::string            source;              // where the statistics came from and what they cost, for the log
+    double                 secs = 0.0;          // this start's cost (measuring or loading)
+    double                 secs_measured = 0.0; // the measurement's
+    uint32_t               n_tokens = 0;
+    llama_rq_k_center_data data;                // off empty: none (not measured, or the pass failed)
+};
+
+// at model load: reads rotaryquant.k_center.* (throws with the fix on a malformed or foreign calibration); without
+// one, takes the model's content identity
+void llama_rq_load_k_center(llama_model_loader & ml, const llama_hparams & hparams, llama_rq_k_center_data & out);
+
+// a K cache of this type is centred: quantised under 6 bits/value (measured: uncalibrated 3- and 4-bit K caches break
+// models whose keys carry large per-channel offsets, Qwen2.5 repeats one word with isoquant3_0 or q4_0 K; 8-bit K
+// keeps their quality)
+inline bool llama_rq_k_needs_center(ggml_type type_k) {
+    return ggml_is_quantized(type_k) && 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k) < 6.0;
+}
+
+// before a context is created (llama_init_from_model): the K statistics its caches centre with, when they need them
+// and the model has no calibration (llama_rq_measure_k_stats)
+void llama_rq_k_stats_for_context(llama_model & model, const llama_context_params & params);
+
+// the model's measured or loaded statistics, null when there are none
+const llama_rq_k_center_self * llama_rq_k_stats(const llama_model & model);
 
 // split_simple (equal == false) or split_equal(n_ubatch, true, 0) that keeps the two phases apart: first the tokens
 // of sequences with a single token in the batch (decoding), then the rest (prompts), so that a decode step reads the
