@@ -213,7 +213,8 @@ def kv_rows() -> list[tuple[str, ...]]:
          f"{win_bits:.3g}",
          f"{sig3(dflt_g)} / {sig3(dflt_q)}",
          "–", holds(dflt_q < 0.09 and dflt_g < 0.1,
-                    "works as downloaded: the library measures K statistics once per model load³; measured before "
+                    "works as downloaded: the library measures K statistics once per model file and keeps them³; "
+                    "measured before "
                     "K statistics were taken at positions spread over the context: needles at 8K "
                     "with `--kv-deferred` "
                     f"{needles('niah-8k-gemma3-window', 'isoquant3_0+w16+self deferred')} / "
@@ -286,8 +287,9 @@ def table() -> str:
     foot = [
         "",
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
-        "² another run (kv-bench-deferred). ³ one forward pass over 1024 pseudo-random tokens (docs/k-center.md): "
-        "2–6 s on Gemma3, ~20–28 s on Qwen2.5-1.5B with 2 cores; rq-calibrate stores statistics in the file instead. "
+        "² another run (kv-bench-deferred). ³ one forward pass over 320 pseudo-random tokens at the first start "
+        "(docs/k-center.md): 0.8 s on Gemma3, 4.0 s on Qwen2.5-1.5B with 2 cores, then kept in llama.cpp's cache "
+        "directory (`--k-stats`); rq-calibrate stores statistics in the model file instead. "
         f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
         "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 2·16 rows per "
         "sequence and layer, 0.6 MiB on Gemma3). The other IsoQuant-V rows were "
