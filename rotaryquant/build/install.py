@@ -9,7 +9,8 @@ import os
 from pathlib import Path
 
 from rotaryquant import paths
-from rotaryquant.build.common import SetupError, git, log, read_stamp, run, write_stamp
+from rotaryquant.build.common import PATCH_DIR, SetupError, git, log, read_stamp, run, write_stamp
+from rotaryquant.build.tree import LINKS
 from rotaryquant.build.venv import pip, venv_python
 from rotaryquant.files import sha256
 
@@ -18,6 +19,8 @@ def tree_fingerprint() -> str:
     root = paths.src_root()
     h = hashlib.sha256(git(root, "rev-parse", "HEAD").encode())
     h.update(git(root, "diff", "HEAD", "--", "llama_cpp", "vendor/llama.cpp/gguf-py").encode())
+    for src in sorted((PATCH_DIR / "src" / "python").glob("*.py")):  # linked into llama_cpp (tree.LINKS)
+        h.update(src.read_bytes())
     return h.hexdigest()
 
 
@@ -31,7 +34,9 @@ def install_python(flavour: str) -> None:
         pip("install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall",
             str(root / "vendor" / "llama.cpp" / "gguf-py"), what="installing the vendored gguf-py")
         env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
-        pip("install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall", str(root),
+        # our modules linked into llama_cpp are git-excluded in the tree, which scikit-build-core would leave out
+        linked = [f"-Csdist.include={rel}" for rel in LINKS if rel.startswith("llama_cpp/")]
+        pip("install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall", *linked, str(root),
             what="installing llama-cpp-python from the patched tree", env=env)
         pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", str(paths.REPO),
             what="installing rotaryquant (editable)")

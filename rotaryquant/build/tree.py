@@ -14,6 +14,7 @@ LINKS = {
     "vendor/llama.cpp/ggml/src/ggml-rq": PATCH_DIR / "src",
     "vendor/llama.cpp/ggml/include/ggml-rq.h": PATCH_DIR / "include" / "ggml-rq.h",
     "vendor/llama.cpp/src/llama-rq": PATCH_DIR / "src" / "llama",
+    "llama_cpp/llama_rq.py": PATCH_DIR / "src" / "python" / "llama_rq.py",
 }
 
 
@@ -28,6 +29,10 @@ def tree_has_local_edits(root: Path, head: str | None) -> bool:
 
 def link_sources() -> None:
     root = paths.src_root()
+    excl = root / ".git" / "info" / "exclude"  # a tree unpacked before a link was added: git must not list it
+    if excl.exists():
+        have = excl.read_text().splitlines()
+        excl.write_text("".join(ln + "\n" for ln in have + [f"/{p}" for p in LINKS if f"/{p}" not in have]))
     for rel, target in LINKS.items():
         link = root / rel
         if link.is_symlink() and link.resolve() == target.resolve():

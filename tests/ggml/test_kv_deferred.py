@@ -1,4 +1,4 @@
-"""Deferred prefill in the patched llama.cpp (llama_kv_rq, ggml-patches/src/llama/llama-rq.h).
+"""Deferred prefill in the patched llama.cpp (llama_kv_rq, ggml-patches/src/llama/llama-rq-deferred.cpp).
 
 While a sequence processes its prompt, its K/V rows also live in an F16 transient, and the prompt
 attends to the cache in the model's own basis with those exact rows patched in: the logits that end the

@@ -1,4 +1,4 @@
-"""The recent window (kv_window) in the patched llama.cpp (llama_kv_rq, ggml-patches/src/llama/llama-rq.h).
+"""The recent window (kv_window) in the patched llama.cpp (llama_kv_rq, ggml-patches/src/llama/llama-rq-window.cpp).
 
 With an IsoQuant V cache, F16 copies of each sequence's last kv_window positions (in the cache's domain, as SET_ROWS
 gets them) stand in for their packed K/V, for every query within kv_window positions of them; the fused kernel

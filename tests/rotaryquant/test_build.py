@@ -48,13 +48,12 @@ def test_series_applies_to_pristine_upstream(upstream_tree, tmp_path):
 
 
 def test_upstream_lines_of_the_llama_hooks_stay_few():
-    # K centring and deferred prefill live in ggml-patches/src/llama (llama-rq); the hook patch only adds lines
-    # to upstream files: keep it reviewable (at most 340 added lines in them: 300 until kept K statistics added a
-    # flag, a context parameter, a C function and the Python argument, 36 lines; moving llama_cpp's RotaryQuant
-    # argument handling into a source file of ours would take it back under 300)
+    # K centring, deferred prefill and the recent window live in ggml-patches/src/llama (llama-rq), llama_cpp's
+    # RotaryQuant arguments in ggml-patches/src/python; the hook patch only adds lines to upstream files: keep it
+    # reviewable (308 added lines when this bound was set)
     patch = next(p for p in patches.patch_series() if "K-centring" in p.name)
     added = [ln for ln in patch.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-    assert 0 < len(added) <= 340, len(added)
+    assert 0 < len(added) <= 310, len(added)
 
 
 def test_broken_patch_is_named(upstream_tree, tmp_path):

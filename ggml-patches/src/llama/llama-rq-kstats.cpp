@@ -1,9 +1,12 @@
-// K statistics for K centring (llama-rq.h): the model's calibration (rotaryquant.k_center, written by rq-calibrate)
+// K statistics and K centring (llama-rq.h): the model's calibration (rotaryquant.k_center, written by rq-calibrate)
 // or, for a model without one, statistics measured from the model itself once and kept in a stats file named by the
-// model's content, so that later starts load them instead of measuring again.
+// model's content, so that later starts load them instead of measuring again; and the per-layer tensors through which
+// a cache centres its keys with them.
 
 #include "llama-rq.h"
+#include "llama-rq-impl.h"
 
+#include "llama-graph.h"
 #include "llama-impl.h"
 #include "llama-model-loader.h"
 #include "llama-model.h"
@@ -494,4 +497,150 @@ const llama_rq_k_center_self * llama_rq_k_stats(const llama_model & model) {
     }
     std::lock_guard<std::mutex> lock(s->mtx);
     return s->done && !s->data.off.empty() ? s : nullptr;
+}
+
+//
+// K centring in a cache: each layer's k_scale, k_bias and q_scale
+//
+
+
+const llama_rq_k_center & llama_kv_rq::k_center(int32_t il) const {
+    return kc[kv.map_layer_ids.at(il)];
+}
+
+void llama_kv_rq::init_k_center(ggml_type type_k) {
+    const llama_model   & model   = kv.model;
+    const llama_hparams & hparams = kv.hparams;
+
+    const bool   quantized = ggml_is_quantized(type_k);
+    const double bpv       = 8.0*ggml_type_size(type_k)/ggml_blck_size(type_k);
+    const bool   needs     = llama_rq_k_needs_center(type_k);
+
+    // measured before the context was created (llama_rq_k_stats_for_context)
+    const llama_rq_k_center_self * self = model.rq_k_center.off.empty() && params.k_center != LLAMA_K_CENTER_OFF && needs
+                                          ? llama_rq_k_stats(model) : nullptr;
+    const auto & cal = self ? self->data : model.rq_k_center;
+    if (cal.off.empty()) {
+        if (needs && params.k_center == LLAMA_K_CENTER_OFF) {
+            LLAMA_LOG_WARN("%s: K centring = off (--no-k-center, k_center = off): a %s K cache (%.2f bits/value) loses "
+                "much of the model's quality without it on many models\n", __func__, ggml_type_name(type_k), bpv);
+        } else if (needs && !hparams.no_alloc) {
+            LLAMA_LOG_WARN("%s: K centring = off: the model has no rotaryquant.k_center calibration and no K statistics "
+                "were measured (the measurement failed, or the context was not created by llama_init_from_model); a %s K "
+                "cache (%.2f bits/value) loses much of the model's quality without it on many models: run rq-calibrate "
+                "on the model file once, or use -ctk q8_0\n", __func__, ggml_type_name(type_k), bpv);
+        } else if (quantized) {
+            LLAMA_LOG_INFO("%s: K centring = off (the model has no rotaryquant.k_center calibration; rq-calibrate adds it)\n", __func__);
+        }
+        return;
+    }
+    if (params.k_center == LLAMA_K_CENTER_OFF) {
+        LLAMA_LOG_INFO("%s: K centring = off (--no-k-center, k_center = off)\n", __func__);
+        return;
+    }
+    if (!quantized && params.k_center != LLAMA_K_CENTER_FORCE) {
+        LLAMA_LOG_INFO("%s: K centring = off (the K cache is %s, not quantised)\n", __func__, ggml_type_name(type_k));
+        return;
+    }
+
+    // the rewrite is exact only where the logits reach softmax as q.k plus a per-query constant and where build_attn
+    // writes and reads the cache
+    const char * why = nullptr;
+    if (hparams.is_mla()) {
+        why = "K doubles as V (MLA)";
+    } else if (hparams.attn_soft_cap || model.arch == LLM_ARCH_GROK) {
+        why = "attention logits are soft-capped";
+    } else if (llama_rq_arch_unhooked(model.arch)) {
+        why = "this architecture writes its K cache outside build_attn";
+    } else {
+        for (const auto & layer : kv.layers) {
+            if (model.layers[layer.il].attn_sinks) {
+                why = "attention sinks are not shift-invariant";
+                break;
+            }
+        }
+    }
+    if (why) {
+        LLAMA_LOG_WARN("%s: K centring = off: the model is calibrated, but %s; the calibration is ignored\n", __func__, why);
+        return;
+    }
+
+    rq_buft_ctxs ctxs;
+    int n_cal = 0;
+    for (size_t i = 0; i < kv.layers.size(); ++i) {
+        const auto & layer = kv.layers[i];
+        const uint32_t il = layer.il;
+        if (cal.off[il] < 0) {
+            continue;
+        }
+        ggml_context * ctx = llama_rq_buft_ctx(ctxs, ggml_backend_buffer_get_type(layer.k->buffer), 3*kv.layers.size(), "K centring");
+        const int64_t hd = hparams.n_embd_head_k(il);
+        kc[i].k_scale = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head_kv(il));
+        kc[i].k_bias  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head_kv(il));
+        kc[i].q_scale = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, hd, hparams.n_head(il));
+        ggml_format_name(kc[i].k_scale, "k_center_scale_l%d", il);
+        ggml_format_name(kc[i].k_bias,  "k_center_bias_l%d",  il);
+        ggml_format_name(kc[i].q_scale, "k_center_q_l%d",     il);
+        n_cal++;
+    }
+    for (auto & [buft, ctx] : ctxs) {
+        ggml_backend_buffer_t buf = hparams.no_alloc ? ggml_backend_buft_alloc_buffer(buft, 0)
+                                                     : ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft);
+        if (!buf) {
+            throw std::runtime_error("failed to allocate buffer for K centring");
+        }
+        if (hparams.no_alloc) {
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t; t = ggml_get_next_tensor(ctx.get(), t)) {
+                t->buffer = buf;
+            }
+        }
+        kc_ctxs_bufs.emplace_back(std::move(ctx), buf);
+    }
+    if (!hparams.no_alloc) {
+        for (size_t i = 0; i < kv.layers.size(); ++i) {
+            if (!kc[i].k_scale) {
+                continue;
+            }
+            const uint32_t il  = kv.layers[i].il;
+            const int64_t  hd  = hparams.n_embd_head_k(il);
+            const int64_t  nkv = hparams.n_head_kv(il);
+            const int64_t  nq  = hparams.n_head(il);
+            const float *  mu  = cal.mu.data()  + cal.off[il];
+            const float *  lam = cal.lam.data() + cal.off[il];
+            std::vector<float> a(hd*nkv), b(hd*nkv), q(hd*nq);
+            for (int64_t j = 0; j < hd*nkv; ++j) {
+                a[j] = 1.0f/lam[j];
+                b[j] = -mu[j]/lam[j];
+            }
+            // query head h reads KV head h/(nq/nkv) (GQA); ggml_mul would broadcast modulo n_head_kv
+            for (int64_t h = 0; h < nq; ++h) {
+                memcpy(q.data() + h*hd, lam + (h/(nq/nkv))*hd, hd*sizeof(float));
+            }
+            ggml_backend_tensor_set(kc[i].k_scale, a.data(), 0, ggml_nbytes(kc[i].k_scale));
+            ggml_backend_tensor_set(kc[i].k_bias,  b.data(), 0, ggml_nbytes(kc[i].k_bias));
+            ggml_backend_tensor_set(kc[i].q_scale, q.data(), 0, ggml_nbytes(kc[i].q_scale));
+        }
+    }
+    if (self) {
+        LLAMA_LOG_INFO("%s: K centring = on, self-calibrated (%d of %d layers; K statistics %s)\n", __func__, n_cal,
+            (int) kv.layers.size(), self->source.c_str());
+    } else {
+        LLAMA_LOG_INFO("%s: K centring = on (rotaryquant.k_center, %d of %d layers; --no-k-center turns it off)\n",
+                __func__, n_cal, (int) kv.layers.size());
+    }
+}
+
+ggml_tensor * llama_kv_rq::to_model_basis(ggml_context * ctx, ggml_tensor * cur, ggml_tensor * rot, int32_t il, bool is_k) const {
+    ggml_tensor * x = ggml_cast(ctx, cur, GGML_TYPE_F32);
+    x = llama_mul_mat_hadamard(ctx, x, rot); // H = H^-1 (null: no rotation)
+    const llama_rq_k_center & c = k_center(il);
+    if (is_k && c.k_scale) {
+        x = ggml_div(ctx, ggml_sub(ctx, x, c.k_bias), c.k_scale); // k = stored*lam + mu
+    }
+    return x;
+}
+
+ggml_tensor * llama_kv_rq::k_recenter(ggml_context * ctx, ggml_tensor * cur, int32_t il) const {
+    const llama_rq_k_center & c = k_center(il);
+    return c.k_scale ? ggml_add(ctx, ggml_mul(ctx, cur, c.k_scale), c.k_bias) : cur;
 }

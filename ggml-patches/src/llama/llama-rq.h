@@ -7,8 +7,10 @@
 //    prompt attends to those exact rows; its first single-token step releases them (docs/deferred-prefill.md);
 //  - the recent window: with an IsoQuant V cache, F16 copies (in the cache's domain) of each sequence's last kv_window
 //    positions, and of the ubatch's own tokens, stand in for their packed K/V for the queries within kv_window of them.
-// All are settings of a context (llama_context_params: k_center, kv_deferred, kv_window). Upstream files reach this unit
-// through a few hook lines; llama_kv_cache and llama_batch_allocr name it a friend.
+// All are settings of a context (llama_context_params: k_center, kv_deferred, kv_window). Upstream files reach them
+// through a few hook lines; llama_kv_cache and llama_batch_allocr name llama_kv_rq a friend. One unit per concern:
+// llama-rq.cpp (settings, per-layer types, the batch split, each cache's state, graph hooks, C API),
+// llama-rq-kstats.cpp (K statistics and centring), llama-rq-deferred.cpp, llama-rq-window.cpp, llama-rq-state.cpp.
 
 #include "llama-rq-types.h"
 
@@ -122,7 +124,7 @@ public:
     llama_kv_rq(llama_kv_cache & kv, const llama_rq_params & params, std::shared_ptr<llama_rq_ctx> ctx);
     ~llama_kv_rq();
 
-    // K centring of model layer il (null tensors when off)
+    // K centring (llama-rq-kstats.cpp): the tensors of model layer il (null when off)
     const llama_rq_k_center & k_center(int32_t il) const;
 
     // cached rows (quantised or not) of layer il as F32 in the model's basis: attn_rot and K centring undone
@@ -130,7 +132,7 @@ public:
     // the inverse of to_model_basis's centring step (K only)
     ggml_tensor * k_recenter(ggml_context * ctx, ggml_tensor * cur, int32_t il) const;
 
-    // deferred prefill
+    // deferred prefill (llama-rq-deferred.cpp)
     bool deferred_on() const { return dfr_budget > 0; }
     void batch(const llama_batch_allocr & balloc); // before a batch is split: which sequences process prompts
     bool ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub); // after apply_ubatch; true: attend
@@ -142,10 +144,10 @@ public:
     // adds this cache's K/V bytes (allocated, or what would be without no_alloc) and its own buffers' to m
     void memory(llama_rq_memory & m) const;
 
-    // state files: after upstream's K/V data of a stream, the recent window's rows of its saved cells (cr, in that
-    // order) that a query of the saved sequences can still use; a cache with an IsoQuant V writes the section with the
-    // window on or off, so a state loads whatever either context's window (rows a context cannot take are skipped:
-    // those keys are read packed). state_read: false, logged, on a state without the section
+    // state files (llama-rq-state.cpp): after upstream's K/V data of a stream, the recent window's rows of its saved
+    // cells (cr, in that order) that a query of the saved sequences can still use; a cache with an IsoQuant V writes
+    // the section with the window on or off, so a state loads whatever either context's window (rows a context cannot
+    // take are skipped: those keys are read packed). state_read: false, logged, on a state without the section
     void state_write(llama_io_write_i & io, const llama_kv_cache::cell_ranges_t & cr, llama_seq_id seq_id) const;
     bool state_read(llama_io_read_i & io, uint32_t strm, const llama_kv_cache::slot_info & sinfo);
 
@@ -155,10 +157,11 @@ public:
     bool window_fits(const llama_rq_dfr_inputs & inp) const;
     bool window_active() const { return !win_w.empty(); }
 
-    // K-shift (build_graph_shift): the window's K rows move with their cells. window_shift_input adds the graph
-    // input of each row's shift (null without a window); window_shift re-ropes layer il's rows as the cache's K
-    // (build_rope_shift: un-centre, RoPE, re-centre). Setting the input moves each shifted row's position along, so
-    // the row stays its cell's (without it a shifted cell lost its row: its key read packed until N more tokens)
+    // the recent window (llama-rq-window.cpp). K-shift (build_graph_shift): the window's K rows move with their cells.
+    // window_shift_input adds the graph input of each row's shift (null without a window); window_shift re-ropes layer
+    // il's rows as the cache's K (build_rope_shift: un-centre, RoPE, re-centre). Setting the input moves each shifted
+    // row's position along, so the row stays its cell's (without it a shifted cell lost its row: its key read packed
+    // until N more tokens)
     ggml_tensor * window_shift_input(llm_graph_result * res, ggml_context * ctx);
     void window_shift(ggml_context * ctx, ggml_cgraph * gf, const llama_cparams & cparams, int32_t il, ggml_tensor * shift,
                       ggml_tensor * rot, ggml_tensor * factors, float freq_base, float freq_scale) const;
