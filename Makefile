@@ -5,10 +5,15 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 SETUP_ARGS ?=
 
-.PHONY: setup demo test test-fast test-scalar test-aarch64 test-vulkan lint patches bench clean
+.PHONY: setup wheel demo test test-fast test-scalar test-aarch64 test-vulkan lint patches bench clean
 
 setup:
 	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
+
+# wheels for any Python environment (dist/): the patched llama-cpp-python with our libraries and llama.cpp's
+# tools, the patched gguf, rotaryquant; `pip install dist/*.whl` (backend: SETUP_ARGS=--vulkan, as for setup)
+wheel:
+	$(PYTHON) -m rotaryquant.build wheel $(SETUP_ARGS)
 
 demo: setup
 	$(VENV_PY) -m rotaryquant.demo

@@ -6,6 +6,7 @@ Runs with the system Python (stdlib only) before any virtual environment exists:
     python3 -m rotaryquant.build setup --vulkan   # the same with the Vulkan backend (build/vulkan)
     python3 -m rotaryquant.build build --vulkan --target llama-perplexity   # a build only (no Python wiring)
     python3 -m rotaryquant.build export-patches   # upstream tree edits -> ggml-patches/*.patch
+    python3 -m rotaryquant.build wheel        # setup, then dist/*.whl for any Python environment
 
 Every step is skipped when its stamp says it is done; every failure is one line that says
 what failed and how to fix it, and leaves nothing half-done that a re-run would trust.
@@ -14,6 +15,7 @@ what failed and how to fix it, and leaves nothing half-done that a re-run would 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rotaryquant import assets, paths
 from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, VULKAN_TARGETS, configure_and_build, cuda_cmake_args
@@ -24,6 +26,7 @@ from rotaryquant.build.sdist import Lock, fetch_sdist, read_lock, unpack
 from rotaryquant.build.tools import check_tools, ensure_ccache, ensure_vulkan
 from rotaryquant.build.ui import ensure_ui
 from rotaryquant.build.venv import ensure_python_deps, ensure_venv, venv_python
+from rotaryquant.build.wheel import build_wheels
 from rotaryquant.errors import run_cli
 
 
@@ -88,14 +91,22 @@ def cmd_export(ns: argparse.Namespace) -> None:
     export_patches()
 
 
+def cmd_wheel(ns: argparse.Namespace) -> None:
+    cmd_setup(ns)
+    build_wheels(_backend(ns)[0], Path(ns.out) if ns.out else None)
+
+
 def _main(argv: list[str] | None) -> None:
     ap = argparse.ArgumentParser(prog="rq-setup", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("setup", help="venv, fetch, patch, build, install (idempotent)")
+    w = sub.add_parser("wheel", help="setup, then wheels of the patched llama-cpp-python (our libraries and "
+                                     "llama.cpp's tools inside), the patched gguf and rotaryquant, for "
+                                     "`pip install dist/*.whl` in any environment")
     b = sub.add_parser("build", help="fetch, patch and build one folder, without the venv or Python wiring "
                                      "(the CI jobs; setup does this and more)")
-    for x in (s, b):
+    for x in (s, b, w):
         x.add_argument("--cuda", action="store_true", help="also build the CUDA backend (-DGGML_CUDA=ON; build/cuda)")
         x.add_argument("--vulkan", action="store_true",
                        help="also build the Vulkan backend (-DGGML_VULKAN=ON; build/vulkan); installs glslc, the "
@@ -105,8 +116,11 @@ def _main(argv: list[str] | None) -> None:
         x.add_argument("-j", "--jobs", type=int, help="parallel build jobs (default: all cores)")
         x.add_argument("--no-ui", action="store_true",
                        help="build llama-server without its web UI (skips npm; also RQ_NO_UI=1)")
-    s.add_argument("--no-assets", action="store_true", help="skip the default model and text")
+    for x in (s, w):
+        x.add_argument("--no-assets", action="store_true", help="skip the default model and text")
     s.set_defaults(fn=cmd_setup)
+    w.add_argument("--out", help="folder for the wheels (default: dist/)")
+    w.set_defaults(fn=cmd_wheel)
     b.add_argument("--target", action="append", help="build only this target (repeatable; default: all of setup's)")
     b.set_defaults(fn=cmd_build)
     p = sub.add_parser("patch", help="fetch the sdist and apply ggml-patches/ (no build)")

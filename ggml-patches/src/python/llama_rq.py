@@ -67,3 +67,14 @@ def apply(params: llama_cpp.llama_context_params, *, iso_unfused: bool = False,
     stats = b"" if k_stats is False else k_stats_dir().encode() if k_stats in (None, True) else os.fsencode(k_stats)
     params.kv_layer_types, params.k_stats_path = layers, stats
     return layers, stats
+
+
+def run_tool() -> None:
+    """The console scripts of the RotaryQuant wheel (llama-server, llama-cli, ...): runs the llama.cpp tool of the
+    script's name that the wheel ships in llama_cpp/lib, with the same arguments."""
+    name = os.path.basename(sys.argv[0])
+    exe = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", name)
+    if not os.access(exe, os.X_OK):
+        sys.exit(f"{name}: {exe} is missing; this llama_cpp was installed without llama.cpp's tools "
+                 "(the RotaryQuant wheels ship them: make wheel, then pip install dist/*.whl)")
+    os.execv(exe, [exe, *sys.argv[1:]])
