@@ -4,6 +4,10 @@
 #
 #   scripts/cuda/gpu-check.sh [all|build|test|bench]      (default all; results under $OUT)
 #
+# What only a GPU answers (the CUDA emulation, tests/cuda/test_emulation.py, runs the same sources' logic in CI):
+# nvcc's code generation (fast math, contraction, register use), real warp scheduling and memory ordering,
+# occupancy and timing; the counters here show the fused path ran on the device.
+#
 # Needs build/gpu-carry/llama-tree.tar.xz, made here by scripts/cuda/pack-tree.sh and carried
 # (carry: ["build/gpu-carry"]); see docs/cuda.md. Stages, each logged and timed, each skipped when the
 # time left (RQ_GPU_BUDGET seconds from the start, default 560) is too short for it:

@@ -24,6 +24,8 @@
 #include "rq-itq3.metal"
 #endif
 
+#include "../emu/io.h"
+
 #include <cstring>
 #include <string>
 
@@ -33,37 +35,6 @@
 #ifndef RQ_MTL_MM_CH
 #define RQ_MTL_MM_CH 2    // ... in mul_mm
 #endif
-
-static std::vector<unsigned char> read_all(const char * path) {
-    FILE * f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "cannot open %s\n", path);
-        exit(2);
-    }
-    std::vector<unsigned char> buf;
-    unsigned char tmp[65536];
-    size_t n;
-    while ((n = fread(tmp, 1, sizeof(tmp), f)) > 0) {
-        buf.insert(buf.end(), tmp, tmp + n);
-    }
-    fclose(f);
-    return buf;
-}
-
-// writes v to path; 0, or 2 with a message
-template <typename T>
-static int write_all(const char * path, const std::vector<T> & v) {
-    FILE * f = fopen(path, "wb");
-    if (!f || fwrite(v.data(), sizeof(T), v.size(), f) != v.size()) {
-        fprintf(stderr, "cannot write %s\n", path);
-        if (f) {
-            fclose(f);
-        }
-        return 2;
-    }
-    fclose(f);
-    return 0;
-}
 
 template <typename block_q, short BITS, short QK>
 static void get_rows(int n_rows, int ne00, int order, const std::vector<unsigned char> & src, std::vector<float> & out) {

@@ -50,4 +50,6 @@ void ggml_rq_cuda_flash_attn_ext(ggml_backend_cuda_context & ctx, ggml_tensor * 
 
 // fused flash-attention ops launched by the CUDA backend (GGML_RQ_ISO_FUSED_CALLS counts the CPU's
 // too). Exported from libggml-cuda for tools (scripts/cuda/rq-counters.cpp finds it with dlsym).
-extern "C" GGML_BACKEND_API uint64_t ggml_rq_cuda_fused_calls(void);
+extern "C" {
+GGML_BACKEND_API uint64_t ggml_rq_cuda_fused_calls(void); // (GGML_BACKEND_API holds an `extern` of its own)
+}
