@@ -22,7 +22,8 @@
 //     FLASH_ATTN_EXT in ggml's layouts: Q F32 [N_SEQ][N_HEAD][N_Q][D], K/V rows [N_SEQ][N_HEAD_KV][N_KV] of KTYPE/VTYPE
 //     (f16, q8_0 or IsoQuant), MASK F16 [N_Q][N_KV] or "-", SINKS F32 [N_HEAD] or "-"; N_SM: the GPU's SM count
 //     the host code sizes its KV splits for; OUT F32 [N_SEQ][N_Q][N_HEAD][D].
-// Every command prints one line to stdout: the launches and blocks it ran and the __shared__ bytes poisoned.
+// Every command prints one line to stdout: the launches and blocks it ran and the __shared__ bytes poisoned; each op
+// it runs must be one ggml_rq_cuda_supports_op (or, for the attention, ggml_rq_cuda_fattn_supported) claims.
 
 #include "ggml-cuda/common.cuh"
 #include "ggml-cuda/convert.cuh"
@@ -40,6 +41,15 @@
 static void write_out(const char * path, const void * data, size_t n) {
     if (write_bytes(path, data, n) != 0) {
         exit(2);
+    }
+}
+
+// the backend runs an op on the GPU only where ggml_rq_cuda_supports_op says yes: every op run here must be one
+static void claimed(const ggml_tensor * op) {
+    if (ggml_rq_cuda_supports_op(op) != 1) {
+        fprintf(stderr, "%s: ggml_rq_cuda_supports_op says %d for an op its kernels run\n", ggml_op_desc(op),
+                ggml_rq_cuda_supports_op(op));
+        exit(1);
     }
 }
 
@@ -118,6 +128,7 @@ static int cmd_set_rows(char ** a) {
         }
     }
     ggml_tensor * op = ggml_set_rows(h.ctx, dst, x, ids);
+    claimed(op);
     ggml_backend_cuda_context cctx;
     if (!ggml_rq_cuda_set_rows(cctx, op)) {
         fprintf(stderr, "set_rows: not taken\n");
@@ -134,6 +145,7 @@ static int cmd_cpy(char ** a) {
     ggml_tensor * src = strided_rows(h.ctx, ts, ne00, n_rows);
     ggml_tensor * dst = ggml_new_tensor_2d(h.ctx, td, ne00, n_rows);
     copy_in_rows(src, read_all(a[5]));
+    claimed(ggml_cpy(h.ctx, src, dst));
     ggml_backend_cuda_context cctx;
     if (!ggml_rq_cuda_cpy(cctx, src, dst)) {
         fprintf(stderr, "cpy: not taken\n");
@@ -154,6 +166,9 @@ static int cmd_get_rows(char ** a) {
     for (int64_t i = 0; i < n_rows; ++i) {
         ((int32_t *) ids->data)[i] = (int32_t) (n_rows - 1 - i);
     }
+    ggml_tensor * op = ggml_get_rows(h.ctx, src, ids);
+    op->type = td;   // ggml_get_rows makes F32 rows; the backend's GET_ROWS also writes F16/BF16
+    claimed(op);
     if (!ggml_rq_cuda_get_rows(src->data, t, (const int32_t *) ids->data, dst->data, td, ne00, src->nb[1], src->nb[2],
                                src->nb[3], n_rows, 1, 1, ids->nb[0], ids->nb[1], ids->nb[2], dst->nb[1], dst->nb[2],
                                dst->nb[3], nullptr)) {
@@ -209,6 +224,7 @@ static int cmd_mmvq(char ** a) {
     fill(w, read_all(a[5]));
     fill(x, read_all(a[6]));
     ggml_tensor * dst = ggml_mul_mat(h.ctx, w, x);
+    claimed(dst);
     ggml_backend_cuda_context cctx;
     ggml_rq_cuda_mul_mat_vec_itq3_s(cctx, w, x, nullptr, dst);
     write_out(a[7], dst->data, ggml_nbytes(dst));
@@ -226,6 +242,7 @@ static int cmd_mmvq_id(char ** a) {
     fill(x, read_all(a[8]));
     fill(ids, read_all(a[9]));
     ggml_tensor * dst = ggml_mul_mat_id(h.ctx, w, x, ids);
+    claimed(dst);
     ggml_backend_cuda_context cctx;
     ggml_rq_cuda_mul_mat_vec_itq3_s(cctx, w, x, ids, dst);
     write_out(a[10], dst->data, ggml_nbytes(dst));

@@ -260,11 +260,12 @@ def _itq3_mmvq_model(q: np.ndarray, n_rows: int, width: int, x: np.ndarray) -> n
 
 @pytest.mark.parametrize("order", [0, 1])
 def test_itq3_s_mat_vec(harness, order, tmp_path):
-    # MUL_MAT at 1-8 columns: the int8 scheme of the kernel modelled in numpy (NMSE bound 1e-10: float sums in
+    # MUL_MAT at each of 1-8 columns: the int8 scheme of the kernel modelled in numpy (NMSE bound 1e-10: float sums in
     # another order), and X W^T in float64 over ggml's dequantised weights (bound 1e-3: what int8 activations cost);
     # 9 rows, 768 wide (3 blocks for 4 warps), 2 channels sharing one matrix
     tid = bindings.type_from_name("itq3_s")
-    for n_rows, width, n_cols, n_ch in ((9, 768, 1, 1), (16, 256, 3, 1), (7, 512, 8, 2)):
+    cases = [(9, 768, 1, 1), (7, 512, 8, 2)] + [(16, 256, n, 1) for n in range(2, 8)]   # every column count 1-8
+    for n_rows, width, n_cols, n_ch in cases:
         rng = np.random.default_rng(width + n_cols)
         w = (rng.standard_normal((n_rows, width)) * rng.uniform(0.01, 3.0, (n_rows, 1))).astype(np.float32)
         q = bindings.quantize(w, tid)
