@@ -15,7 +15,9 @@ setup:
 wheel:
 	$(PYTHON) -m rotaryquant.build wheel $(SETUP_ARGS)
 
-demo: setup
+# set-up builds only what the demo runs first (setup --demo); make test builds the rest
+demo:
+	$(PYTHON) -m rotaryquant.build setup --demo $(SETUP_ARGS)
 	$(VENV_PY) -m rotaryquant.demo
 
 test: setup

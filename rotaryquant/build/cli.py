@@ -3,6 +3,7 @@
 Runs with the system Python (stdlib only) before any virtual environment exists:
 
     python3 -m rotaryquant.build setup        # everything below, idempotent
+    python3 -m rotaryquant.build setup --demo # only what `make demo` runs (the rest later)
     python3 -m rotaryquant.build setup --vulkan   # the same with the Vulkan backend (build/vulkan)
     python3 -m rotaryquant.build build --vulkan --target llama-perplexity   # a build only (no Python wiring)
     python3 -m rotaryquant.build export-patches   # upstream tree edits -> ggml-patches/*.patch
@@ -18,8 +19,9 @@ import argparse
 from pathlib import Path
 
 from rotaryquant import assets, paths
-from rotaryquant.build.cmake import CUDA_TARGETS, TARGETS, VULKAN_TARGETS, configure_and_build, cuda_cmake_args
-from rotaryquant.build.common import SetupError, log
+from rotaryquant.build.cmake import (CUDA_TARGETS, DEMO_TARGETS, TARGETS, VULKAN_TARGETS, configure_and_build,
+                                    cuda_cmake_args)
+from rotaryquant.build.common import Phases, SetupError, log
 from rotaryquant.build.install import install_python
 from rotaryquant.build.patches import apply_patches, export_patches
 from rotaryquant.build.sdist import Lock, fetch_sdist, read_lock, unpack
@@ -47,16 +49,20 @@ def _backend(ns: argparse.Namespace) -> tuple[str, list[str], list[str]]:
     return ns.flavour or flavour, extra, targets
 
 
-def _patched_tree(ccache: bool = True) -> Lock:
+def _patched_tree(ccache: bool = True, test_deps: bool = True, phase: Phases | None = None) -> Lock:
     """Tools, the venv, and the pinned sdist unpacked and patched (every step skipped when done)."""
-    check_tools()
-    if ccache:
-        ensure_ccache()
-    ensure_venv()
-    ensure_python_deps()
-    lock = read_lock()
-    unpack(lock, fetch_sdist(lock))
-    apply_patches(lock)
+    phase = phase or Phases()
+    with phase("tools"):
+        check_tools()
+        if ccache:
+            ensure_ccache()
+    with phase("venv"):
+        ensure_venv()
+        ensure_python_deps(test_deps)
+    with phase("sdist+patches"):
+        lock = read_lock()
+        unpack(lock, fetch_sdist(lock))
+        apply_patches(lock)
     return lock
 
 
@@ -66,13 +72,22 @@ def _ui(ns: argparse.Namespace, lock: Lock) -> None:
 
 
 def cmd_setup(ns: argparse.Namespace) -> None:
-    _ui(ns, _patched_tree())
+    demo = getattr(ns, "demo", False)
+    phase = Phases()
+    lock = _patched_tree(test_deps=not demo, phase=phase)
+    if not demo:   # the demo runs no llama-server: its web UI waits for the full set-up
+        with phase("web UI"):
+            _ui(ns, lock)
     flavour, extra, targets = _backend(ns)
-    configure_and_build(flavour, extra, ns.jobs, targets)
-    install_python(flavour)
+    with phase("build"):
+        configure_and_build(flavour, extra, ns.jobs, DEMO_TARGETS if demo else targets)
+    with phase("python"):
+        install_python(flavour)
     if not ns.no_assets:
-        assets.ensure_default_assets(python=str(venv_python()))
-    log("ready")
+        with phase("models+text"):
+            assets.ensure_default_assets(python=str(venv_python()))
+    log(phase.line())
+    log("ready" + (" for the demo (the rest: make test, or setup without --demo)" if demo else ""))
 
 
 def cmd_build(ns: argparse.Namespace) -> None:
@@ -118,6 +133,9 @@ def _main(argv: list[str] | None) -> None:
                        help="build llama-server without its web UI (skips npm; also RQ_NO_UI=1)")
     for x in (s, w):
         x.add_argument("--no-assets", action="store_true", help="skip the default model and text")
+    s.add_argument("--demo", action="store_true",
+                   help="only what `make demo` runs (the libraries and llama-imatrix; no web UI, no test dependencies): "
+                        "a fresh machine's first minutes; a later setup without it builds the rest")
     s.set_defaults(fn=cmd_setup)
     w.add_argument("--out", help="folder for the wheels (default: dist/)")
     w.set_defaults(fn=cmd_wheel)

@@ -23,6 +23,9 @@ TARGETS = [
     "test-backend-ops", "test-quantize-fns",
     "rq-tests",
 ]
+# What `make demo` runs (setup --demo): the libraries llama_cpp loads and llama-imatrix; the rest (llama-server and its
+# web UI, the other tools, the test programs) waits for the first full set-up (make test)
+DEMO_TARGETS = ["llama", "ggml", "llama-imatrix"]
 CUDA_TARGETS = ["ggml-cuda"]
 VULKAN_TARGETS = ["ggml-vulkan", "test-rq-vulkan"]
 

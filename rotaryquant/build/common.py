@@ -3,10 +3,13 @@ and git with one-line failures, and the JSON stamps that make each step skippabl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rotaryquant import paths
@@ -24,6 +27,26 @@ class SetupError(RQError):
 
 def log(msg: str) -> None:
     print(f"[rq-setup] {msg}", flush=True)
+
+
+class Phases:
+    """Wall time per set-up phase, for the one summary line at the end (docs/setup.md's table comes from it)."""
+
+    def __init__(self) -> None:
+        self.t0 = time.time()
+        self.spent: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.spent[name] = self.spent.get(name, 0.0) + time.time() - t
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v:.0f} s" for k, v in self.spent.items())
+        return f"phases: {parts}; total {time.time() - self.t0:.0f} s"
 
 
 def run(cmd: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None,

@@ -62,8 +62,10 @@ def pip(*args: str, what: str, env: dict[str, str] | None = None) -> None:
         fix="check that the package index is reachable (pip config list) and re-run", quiet=True)
 
 
-def ensure_python_deps() -> None:
+def ensure_python_deps(test_deps: bool = True) -> None:
+    """The runtime dependencies, and (test_deps) the test and eval extras too: torch alone is most of the download."""
     deps, test = pyproject_requirements()
+    test = test if test_deps else []
     # build back-ends used with --no-build-isolation below, and cmake/ninja if the system lacks them
     boot = ["scikit-build-core>=0.9.2", "poetry-core>=1.0.0", "setuptools>=68", "wheel"]
     if shutil.which("ninja") is None:
@@ -72,7 +74,8 @@ def ensure_python_deps() -> None:
         boot.append("cmake>=3.21")
     want = sorted(set(boot + deps + test))
     stamp_path = paths.venv_dir() / ".rq-deps.json"
-    if read_stamp(stamp_path).get("want") == want:
+    have = read_stamp(stamp_path).get("want") or []
+    if set(want) <= set(have):
         return
     log(f"installing Python dependencies ({len(want)} packages)")
     pip("install", "-q", *want, what="installing Python dependencies")
