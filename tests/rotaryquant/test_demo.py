@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rotaryquant import demo
+from rotaryquant import demo, paths
 
 
 def test_completion_figures_come_from_llama_cpp_api(smollm2):
@@ -69,3 +69,15 @@ def test_weights_verdict_reads_the_iq3s_row():
     assert "ITQ3_S is not behind" in v
     v = demo._verdict([base, rq, demo.Run("itq3", " a x", "", 1.0), demo.Run("iq3", " a b c d e x", "", 1.0)], 30)
     assert "ITQ3_S keeps 1 word of the baseline, IQ3_S + imatrix 5: ITQ3_S is behind it here" in v
+
+
+def test_setup_for_the_demo_builds_every_tool_it_runs():
+    # `make demo` builds only DEMO_TARGETS (setup --demo): each llama.cpp tool the demo calls must be among them, and
+    # they must be a part of what the full set-up builds
+    from rotaryquant.build.cmake import DEMO_TARGETS, TARGETS
+
+    source = (paths.REPO / "rotaryquant" / "demo.py").read_text()
+    called = set(re.findall(r'tools\.binary\("([\w-]+)"\)', source))
+    assert called, "the demo calls no tool by name any more: update this test"
+    assert called <= set(DEMO_TARGETS), called - set(DEMO_TARGETS)
+    assert set(DEMO_TARGETS) <= set(TARGETS)
