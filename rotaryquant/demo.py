@@ -260,7 +260,13 @@ def kv_demo(model: Path | None, prompt: str, threads: int, n_predict: int) -> No
         if not model.exists():
             print(f"  rq-calibrate {src.name} -o {model.name}  (K centring statistics, once; about a minute)")
             model.parent.mkdir(parents=True, exist_ok=True)
-            kcenter.calibrate(src, model, progress=True)
+            from rotaryquant.plan.accounting import captured_log, errors
+
+            with captured_log() as log:   # llama.cpp's load chatter off the terminal; its errors said if it fails
+                try:
+                    kcenter.calibrate(src, model, progress=True)
+                except RQError as e:
+                    raise RQError(f"{e.message} (llama.cpp: {errors(log) or 'no reason given'})", e.fix) from None
     configs = (("f16", None, "F16 KV (baseline)"),
                ("isoquant3_0", None, "isoquant3_0 K and V, K calibrated, last 16 positions exact (the defaults; recommended)"),
                ("isoquant3_0", 0, "isoquant3_0 K and V, K calibrated, --kv-window 0 (3.125 bits/value)"))
