@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from rotaryquant import gguf_io
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.errors import MissingBuildError
 
@@ -23,13 +24,11 @@ _SKIP_KEYS = ("GGUF.", "general.architecture", "general.file_type", "general.qua
 
 
 def open_gguf(path: Path) -> Any:
-    from gguf import GGUFReader
-
+    """gguf_io.open_reader's reader of a whole model GGUF (not a shard, not an imatrix or LoRA); ConvertError."""
     try:
-        r = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 (ValueError, struct.error, KeyError on unknown types ...)
-        raise ConvertError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})",
-                           fix="re-download it, or check it was written by a llama.cpp of this tree") from None
+        r = gguf_io.open_reader(path)
+    except gguf_io.GGUFError as e:
+        raise ConvertError(e.message, fix=e.fix) from None
     f = r.fields.get("split.count")
     if f is not None and int(f.contents()) > 1:
         raise ConvertError(f"{path} is one shard of a split GGUF", fix="merge it first (llama-gguf-split --merge)")

@@ -18,16 +18,17 @@ from rotaryquant.files import publish
 
 
 def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
+
+    from rotaryquant import gguf_io
 
     p = Path(path)
     if not p.is_file():
         raise ConvertError(f"imatrix {p} does not exist", fix="pass the GGUF file llama-imatrix wrote (-o FILE)")
     try:
-        r = GGUFReader(p)
-    except Exception as e:  # noqa: BLE001 (any parse failure is the same user error)
-        raise ConvertError(f"imatrix {p} is not a readable GGUF file ({e})",
-                           fix="pass the GGUF file llama-imatrix writes (the legacy .dat format is not supported)") from None
+        r = gguf_io.open_reader(p, fix="pass the GGUF file llama-imatrix writes (the legacy .dat format is not supported)")
+    except gguf_io.GGUFError as e:
+        raise ConvertError(f"imatrix {e.message}", fix=e.fix) from None
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
     for t in r.tensors:
@@ -67,11 +68,13 @@ def subset_imatrix(src: str | Path, dst: str | Path, names: list[str] | set[str]
     import os
     import tempfile
 
-    from gguf import GGUFReader, GGUFWriter
+    from gguf import GGUFWriter
+
+    from rotaryquant import gguf_io
 
     src, dst = Path(src), Path(dst)
     load_imatrix(src)                                   # the same checks and errors as a full load
-    r = GGUFReader(src)
+    r = gguf_io.open_reader(src)
     keep = {f"{n}{suffix}" for n in names for suffix in (".in_sum2", ".counts")}
     tensors = [t for t in r.tensors if t.name in keep]
     missing = sorted(set(names) - {t.name[:-len(".in_sum2")] for t in tensors if t.name.endswith(".in_sum2")})

@@ -341,9 +341,9 @@ def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefi
 
 def read_keys(path: Path, prefix: str) -> dict[str, Any] | None:
     """The keys of a GGUF under ``prefix``, without it (None when it has none)."""
-    from gguf import GGUFReader
+    from rotaryquant import gguf_io
 
-    r = GGUFReader(path)
+    r = gguf_io.open_reader(path)
     out = {k[len(prefix):]: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
     return out or None
 

@@ -153,9 +153,9 @@ def bench_hf(model: str, folder: Path, recipes: list[str], work: Path, nice: int
 
 
 def bench_gguf(model: str, gguf_path: Path, recipes: list[str], work: Path, nice: int = 0) -> list[Row]:
-    from gguf import GGUFReader
+    from rotaryquant import gguf_io
 
-    n = int(sum(int(t.n_elements) for t in GGUFReader(gguf_path).tensors))
+    n = int(sum(int(t.n_elements) for t in gguf_io.open_reader(gguf_path).tensors))
     quant = _quantize_bin()
     rows: list[Row] = []
     for recipe in recipes:

@@ -15,9 +15,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import gguf
 
-from rotaryquant import machine
+from rotaryquant import gguf_io, machine
 from rotaryquant import kvtypes
 from rotaryquant.bindings import tools
 from rotaryquant.errors import RQError
@@ -75,7 +74,7 @@ class KVShape:
 
 def kv_shape(model: Path) -> KVShape:
     """Per-layer K/V widths from the GGUF metadata (no llama.cpp context needed)."""
-    r = gguf.GGUFReader(str(model))
+    r = gguf_io.open_reader(model)
     arch = r.get_field("general.architecture").contents()
 
     def get(key: str, default=None):

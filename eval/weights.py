@@ -215,10 +215,10 @@ def _file_label(label: str) -> str:
 
 def tensor_types(model: Path) -> dict[str, int]:
     """Weights per tensor type in a GGUF (what a ftype mixture really holds)."""
-    import gguf
+    from rotaryquant import gguf_io
 
     out: dict[str, int] = {}
-    for t in gguf.GGUFReader(str(model)).tensors:
+    for t in gguf_io.open_reader(model).tensors:
         n = 1
         for d in t.shape:
             n *= int(d)
@@ -227,9 +227,9 @@ def tensor_types(model: Path) -> dict[str, int]:
 
 
 def _n_params(model: Path) -> int:
-    import gguf
+    from rotaryquant import gguf_io
 
-    r = gguf.GGUFReader(str(model))
+    r = gguf_io.open_reader(model)
     n = 0
     for t in r.tensors:
         k = 1

@@ -17,9 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import gguf
 
-from rotaryquant import machine
+from rotaryquant import gguf_io, machine
 from rotaryquant.bindings import tools
 from rotaryquant.errors import RQError
 
@@ -49,7 +48,7 @@ def file_info(path: Path, foreign: bool = False) -> FileInfo:
             by_id[f"type {t.type}"] = by_id.get(f"type {t.type}", 0) + t.n
         return FileInfo(path.name, round(path.stat().st_size / 2**20, 1), h.n_params, 8 * h.data_bytes / h.n_params,
                         dict(sorted(by_id.items(), key=lambda kv: -kv[1])))
-    r = gguf.GGUFReader(str(path))
+    r = gguf_io.open_reader(path)
     types: dict[str, int] = {}
     n_bytes = 0
     for t in r.tensors:

@@ -141,11 +141,11 @@ def smollm2_hf_folder(gguf_path: Path, out: Path, *, n_layers: int | None = None
     written ``dtype`` (BF16 like the published checkpoint) in shards with a weight map, so the
     sharded-checkpoint path is exercised too.
     """
-    from gguf import GGUFReader
+    from rotaryquant import gguf_io
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    r = GGUFReader(gguf_path)
+    r = gguf_io.open_reader(gguf_path)
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise ValueError(f"{gguf_path} is a {arch} model; only llama GGUFs can be rebuilt")
