@@ -72,7 +72,7 @@ def _ui(ns: argparse.Namespace, lock: Lock) -> None:
 
 
 def cmd_setup(ns: argparse.Namespace) -> None:
-    demo = getattr(ns, "demo", False)
+    demo = ns.demo
     phase = Phases()
     lock = _patched_tree(test_deps=not demo, phase=phase)
     if not demo:   # the demo runs no llama-server: its web UI waits for the full set-up
@@ -138,7 +138,7 @@ def _main(argv: list[str] | None) -> None:
                         "a fresh machine's first minutes; a later setup without it builds the rest")
     s.set_defaults(fn=cmd_setup)
     w.add_argument("--out", help="folder for the wheels (default: dist/)")
-    w.set_defaults(fn=cmd_wheel)
+    w.set_defaults(fn=cmd_wheel, demo=False)
     b.add_argument("--target", action="append", help="build only this target (repeatable; default: all of setup's)")
     b.set_defaults(fn=cmd_build)
     p = sub.add_parser("patch", help="fetch the sdist and apply ggml-patches/ (no build)")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rotaryquant import paths
 from rotaryquant.build.common import PATCH_DIR, SetupError, git, log, read_stamp, run, write_stamp
-from rotaryquant.build.tree import LINKS
+from rotaryquant.build.tree import packaging_args
 from rotaryquant.build.venv import pip, venv_python
 from rotaryquant.files import sha256
 
@@ -33,9 +33,7 @@ def install_python(flavour: str) -> None:
         log("installing the patched gguf-py, llama-cpp-python (no second llama.cpp build) and rotaryquant")
         pip("install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall",
             str(root / "vendor" / "llama.cpp" / "gguf-py"), what="installing the vendored gguf-py")
-        env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
-        # our modules linked into llama_cpp are git-excluded in the tree, which scikit-build-core would leave out
-        linked = [f"-Csdist.include={rel}" for rel in LINKS if rel.startswith("llama_cpp/")]
+        env, linked = packaging_args()
         pip("install", "-q", "--no-deps", "--no-build-isolation", "--force-reinstall", *linked, str(root),
             what="installing llama-cpp-python from the patched tree", env=env)
         pip("install", "-q", "--no-deps", "--no-build-isolation", "-e", str(paths.REPO),

@@ -3,6 +3,7 @@ stamp, whether it carries edits not yet exported, and the links that put our sou
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def tree_state_path() -> Path:
 def tree_has_local_edits(root: Path, head: str | None) -> bool:
     dirty = git(root, "status", "--porcelain", "--untracked-files=no")
     return bool(dirty) or git(root, "rev-parse", "HEAD") != head
+
+
+def packaging_args() -> tuple[dict[str, str], list[str]]:
+    """pip's environment and config settings for packaging the tree's llama_cpp (install or wheel) without building
+    llama.cpp a second time; our modules linked into llama_cpp are git-excluded in the tree, which scikit-build-core
+    would leave out, so they are included by name."""
+    env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
+    return env, [f"-Csdist.include={rel}" for rel in LINKS if rel.startswith("llama_cpp/")]
 
 
 def link_sources() -> None:

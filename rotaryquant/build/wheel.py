@@ -23,7 +23,7 @@ from pathlib import Path
 
 from rotaryquant import paths
 from rotaryquant.build.common import SetupError, git, log, run
-from rotaryquant.build.tree import LINKS
+from rotaryquant.build.tree import packaging_args
 from rotaryquant.build.venv import pip, venv_python
 
 # the tools users run, shipped as console scripts that exec the binary (llama_cpp.llama_rq.run_tool)
@@ -141,8 +141,7 @@ def build_wheels(flavour: str = "cpu", out: Path | None = None) -> list[Path]:
         (tmp / "lib").mkdir()
         staged = stage_binaries(flavour, tmp / "lib")
         gguf = _pip_wheel(root / "vendor" / "llama.cpp" / "gguf-py", tmp / "gguf", "building the gguf wheel")
-        env = dict(os.environ, CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF")
-        linked = [f"-Csdist.include={rel}" for rel in LINKS if rel.startswith("llama_cpp/")]
+        env, linked = packaging_args()
         llama = _pip_wheel(root, tmp / "llama", "building the llama-cpp-python wheel", *linked, env=env)
         made_build_lib = not (paths.build_dir() / "lib").exists()
         ours = _pip_wheel(paths.REPO, tmp / "rq", "building the rotaryquant wheel")
