@@ -149,13 +149,10 @@ static double rel_err(const std::vector<float> & a, const std::vector<float> & b
     return sqrt(num / (den + 1e-30));
 }
 
-int main() {
-    ggml_cpu_init();
-    // the float kernels against their float twins; the VNNI scoring (AVX-512 CPUs) has its own twin further down
+// the float kernels against their float twins; the VNNI scoring (AVX-512 CPUs) has its own twin further down
+static void test_float_kernels(std::mt19937 & rng, int n_head, int n_head_kv) {
     ggml_rq_cpu_set_avx512(false);
-    std::mt19937 rng(42);
 
-    const int n_head = 4, n_head_kv = 2;
     double sum_e4 = 0.0, sum_e3 = 0.0; // attention errors vs F32 of both index widths on the same data
     for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_ISOQUANT3_64, GGML_TYPE_ISOQUANT4_64})
     for (int hs : {64, 128, 256}) {
@@ -240,14 +237,16 @@ int main() {
 
     // the 4-bit codebook's noise is half the 3-bit one's (sqrt of the MSE ratio 0.0093/0.034 = 0.52)
     CHECK(sum_e4 < 0.7*sum_e3, "4-bit attention error %.3g is not well below 3-bit %.3g (summed over cases)", sum_e4, sum_e3);
+}
 
-    // sharp attention: most keys score far below the row's max, where the kernel flushes their weights to 0 rather
-    // than take denormals (RQ_FA_FTZ, 80 below the max). The flushed keys weigh < 2^-115 each, so the fused output
-    // still matches F32 attention over the same values (which keeps them) as closely as at ordinary scores (a
-    // threshold at -10 fails: 2.7e-5 for 4 bits, and 30 checks above). 2000 keys: two chunks and their fold.
-    // The float kernels only: the AVX-512 ones share the softmax, but their int8 query moves such scores by up to a
-    // nat, so they are not within 2e-5 of F32 here (measured: 0.005 / 0.096 rel err for 3 / 4 bits, 0.010 / 0.013 at
-    // ordinary scores; their twin below checks their rounding).
+// sharp attention: most keys score far below the row's max, where the kernel flushes their weights to 0 rather
+// than take denormals (RQ_FA_FTZ, 80 below the max). The flushed keys weigh < 2^-115 each, so the fused output
+// still matches F32 attention over the same values (which keeps them) as closely as at ordinary scores (a
+// threshold at -10 fails: 2.7e-5 for 4 bits, and 30 checks above). 2000 keys: two chunks and their fold.
+// The float kernels only: the AVX-512 ones share the softmax, but their int8 query moves such scores by up to a
+// nat, so they are not within 2e-5 of F32 here (measured: 0.005 / 0.096 rel err for 3 / 4 bits, 0.010 / 0.013 at
+// ordinary scores; their twin below checks their rounding).
+static void test_sharp(std::mt19937 & rng, int n_head, int n_head_kv) {
     for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0}) {
         const int hs = 128, n_kv = 2000, n_q = 1;
         std::vector<float> q((size_t) hs*n_q*n_head), k((size_t) hs*n_kv*n_head_kv), v(k.size());
@@ -281,10 +280,12 @@ int main() {
         // summation order only, as above
         CHECK(e < 2e-5, "%s sharp scores (q x %.1f): fused vs dequantised-F32 rel err %.3g", ggml_type_name(it), qs, e);
     }
+}
 
-    // exact rows: the fused kernel with some cells' K/V taken from F16 rows (a recent window, scattered cells, masked
-    // ones among them, two streams) against F32 attention over the same values: each cell's K/V is either the F16
-    // row or the packed row's dequantisation. Also a row's output does not change with the rows around it.
+// exact rows: the fused kernel with some cells' K/V taken from F16 rows (a recent window, scattered cells, masked
+// ones among them, two streams) against F32 attention over the same values: each cell's K/V is either the F16
+// row or the packed row's dequantisation. Also a row's output does not change with the rows around it.
+static void test_exact_rows(std::mt19937 & rng, int n_head, int n_head_kv) {
     for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_64})
     for (ggml_type tk : {it, GGML_TYPE_F32})
     for (int n_stream : {1, 2})
@@ -394,170 +395,190 @@ int main() {
             CHECK(n_diff == 0, "%s: the last row alone differs from the same row in company (%d heads)", tn, n_diff);
         }
     }
+}
 
-    // the AVX-512 kernels (VNNI scoring of ISOQUANT3_0/4_0 keys, bf16 V pairs; where the CPU has them) against their
-    // twin, attention in double with each query row rounded to int8 per 128-value block in the rotated domain, K decoded
-    // with the int8 codebook (outer level 113 or 112, not 127: iso_cb_u8) and V with the bf16 one: the roundings the kernels make (rq-cpu.c: iso_q8_tile, iso_cb_u8,
-    // iso_cb_bf16) but the bf16 rounding of each key's weight (2^-9 relative), so within 5e-3 (the unfused F16 twin's
-    // bound; measured ~1.5e-3). Tile heights 1..8 and a split tile (12 heads over 1), partial blocks of keys and an odd
-    // key, masked holes, exact rows; a row alone gives the bits it gives in company.
-    {
-        ggml_rq_cpu_set_avx512(true);
-        int n_cmp = 0;
-        uint64_t n_vnni = 0;
-        double sum_e = 0.0, sum_ef = 0.0; // vs the twin, and vs the float kernel's twin (how much the rounding moves)
-        for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0})
-        for (int hs : {128, 256})
-        for (int hkv : {1, 2})
-        for (int ratio : {1, 2, 3, 5, 6, 8, 12}) {
-            const int bits = ggml_rq_iso_bits(it), nh = hkv*ratio, n_kv = 53, n_q = 3, nb = hs/128;
-            const size_t n_rows_k = (size_t) n_kv*hkv;
-            std::vector<float> q((size_t) hs*n_q*nh), k(n_rows_k*hs), v(k.size());
-            fill(q, rng, 1.0f, 1.0f);
-            fill(k, rng, 1.0f, 8.0f);
-            fill(v, rng, 0.5f, 1.0f);
-            std::vector<float> mask((size_t) n_kv*n_q, 0.0f);
-            for (int i = 0; i < n_q; ++i) {
-                for (int c = 0; c < n_kv; ++c) {
-                    if (c % 9 == 4 || c > n_kv - n_q + i) mask[(size_t) i*n_kv + c] = -INFINITY;
-                }
+// the AVX-512 twin's K and V of the ISOQUANT3_0/4_0 rows k, v [hs, n_rows_k]
+static void avx512_twin_kv(ggml_type it, int hs, size_t n_rows_k, const std::vector<float> & k, const std::vector<float> & v,
+                           std::vector<float> & kt, std::vector<float> & vt) {
+    const int bits = ggml_rq_iso_bits(it), nb = hs/128;
+    // the twin's K: the packed rows decoded with the int8 codebook; V: with the bf16 codebook; both rotated back
+    const float * cb = ggml_rq_iso_codebook_bits(bits);
+    float cmax = 0.0f;
+    for (int l = 0; l < (1 << bits); ++l) cmax = std::max(cmax, fabsf(cb[l]));
+    auto decode = [&](const std::vector<float> & x, float (*level)(float, float)) {
+        std::vector<uint8_t> packed(ggml_row_size(it, hs)*n_rows_k);
+        ggml_quantize_chunk(it, x.data(), packed.data(), 0, (int64_t) n_rows_k, hs, nullptr);
+        std::vector<float> y(x.size());
+        const size_t bsz = ggml_row_size(it, 128);
+        for (size_t r = 0; r < n_rows_k*nb; ++r) {
+            const uint8_t * blk = &packed[r*bsz];
+            ggml_fp16_t dh;
+            memcpy(&dh, blk, sizeof(dh));
+            const float d = ggml_fp16_to_fp32(dh);
+            float z[128];
+            for (int i = 0; i < 128; ++i) {
+                const int g = i/8, j = i % 8;
+                uint32_t w = 0;
+                for (int b = 0; b < bits; ++b) w |= (uint32_t) blk[sizeof(dh) + bits*g + b] << (8*b);
+                z[i] = d*level(cb[(w >> (bits*j)) & ((1u << bits) - 1)], cmax);
             }
-            std::vector<int32_t> rows(n_kv, -1);
-            std::vector<float> xk, xv;
-            if (ratio % 2 == 0) { // every 5th cell exact
-                for (int c = 0; c < n_kv; c += 5) {
-                    rows[c] = (int32_t) (xk.size()/(hs*hkv));
-                    for (int h = 0; h < hkv; ++h) {
-                        const size_t off = ((size_t) h*n_kv + c)*hs;
-                        xk.insert(xk.end(), k.begin() + off, k.begin() + off + hs);
-                        xv.insert(xv.end(), v.begin() + off, v.begin() + off + hs);
-                    }
-                }
-            }
-            ggml_rq_counters_reset();
-            const std::vector<float> got = attend_x(it, it, q, k, v, xk, xv, rows, mask, hs, n_q, nh, n_kv, hkv, 1);
-            n_vnni += ggml_rq_counter_get(GGML_RQ_ISO_AVX512_CALLS);
-
-            // the twin's K: the packed rows decoded with the int8 codebook; V: with the bf16 codebook; both rotated back
-            const float * cb = ggml_rq_iso_codebook_bits(bits);
-            float cmax = 0.0f;
-            for (int l = 0; l < (1 << bits); ++l) cmax = std::max(cmax, fabsf(cb[l]));
-            auto decode = [&](const std::vector<float> & x, float (*level)(float, float)) {
-                std::vector<uint8_t> packed(ggml_row_size(it, hs)*n_rows_k);
-                ggml_quantize_chunk(it, x.data(), packed.data(), 0, (int64_t) n_rows_k, hs, nullptr);
-                std::vector<float> y(x.size());
-                const size_t bsz = ggml_row_size(it, 128);
-                for (size_t r = 0; r < n_rows_k*nb; ++r) {
-                    const uint8_t * blk = &packed[r*bsz];
-                    ggml_fp16_t dh;
-                    memcpy(&dh, blk, sizeof(dh));
-                    const float d = ggml_fp16_to_fp32(dh);
-                    float z[128];
-                    for (int i = 0; i < 128; ++i) {
-                        const int g = i/8, j = i % 8;
-                        uint32_t w = 0;
-                        for (int b = 0; b < bits; ++b) w |= (uint32_t) blk[sizeof(dh) + bits*g + b] << (8*b);
-                        z[i] = d*level(cb[(w >> (bits*j)) & ((1u << bits) - 1)], cmax);
-                    }
-                    ggml_rq_iso_rotate_inv(z, &y[r*128]);
-                }
-                return y;
-            };
-            // the int8 levels: round(c L/cmax) with the outer level L <= 127 that moves the levels least (sum of squares)
-            static float L8 = 0.0f;
-            double emin = INFINITY;
-            for (int L = 127; L >= 64; --L) {
-                double e = 0.0;
-                for (int l = 0; l < (1 << bits); ++l) {
-                    const double d = (double) (cmax/L)*roundf(cb[l]*L/cmax) - cb[l];
-                    e += d*d;
-                }
-                if (e < emin) { emin = e; L8 = (float) L; }
-            }
-            std::vector<float> kt = decode(k, [](float c, float m) { return (m/L8)*roundf(c*L8/m); });
-            std::vector<float> vt = decode(v, [](float c, float) { return ggml_bf16_to_fp32(ggml_fp32_to_bf16(c)); });
-            std::vector<float> kf = roundtrip(k, hs, it), vf = roundtrip(v, hs, it);
-            // the exact cells: F16 rows in both twins
-            for (int c = 0; c < n_kv; ++c) {
-                if (rows[c] < 0) continue;
-                for (int h = 0; h < hkv; ++h) {
-                    const size_t off = ((size_t) h*n_kv + c)*hs, xo = ((size_t) rows[c]*hkv + h)*hs;
-                    for (int i = 0; i < hs; ++i) {
-                        kt[off + i] = kf[off + i] = f16_round(xk[xo + i]);
-                        vt[off + i] = vf[off + i] = f16_round(xv[xo + i]);
-                    }
-                }
-            }
-            // the twin's query: rotated, rounded to int8 per row and block, scaled back, rotated back
-            std::vector<float> qt(q.size());
-            for (size_t r = 0; r < q.size()/128; ++r) {
-                float y[128];
-                ggml_rq_iso_rotate(&q[r*128], y);
-                float m = 0.0f;
-                for (float x : y) m = std::max(m, fabsf(x));
-                const float inv = m > 0.0f ? 127.0f/m : 0.0f;
-                for (float & x : y) x = roundf(x*inv)*(m/127.0f);
-                ggml_rq_iso_rotate_inv(y, &qt[r*128]);
-            }
-            // in double: an exact cell is scored with the query as given (as the kernel does), a packed one with the int8 one
-            auto twin = [&](const std::vector<float> & qp, const std::vector<float> & kp, const std::vector<float> & vp) {
-                std::vector<float> out((size_t) hs*nh*n_q);
-                std::vector<double> p(n_kv);
-                for (int i = 0; i < n_q; ++i) {
-                    for (int h = 0; h < nh; ++h) {
-                        const int hk = h/ratio;
-                        double mx = -INFINITY;
-                        for (int c = 0; c < n_kv; ++c) {
-                            const std::vector<float> & qq = rows[c] >= 0 ? q : qp;
-                            double dot = 0.0;
-                            for (int e = 0; e < hs; ++e) {
-                                dot += (double) qq[((size_t) h*n_q + i)*hs + e]*kp[((size_t) hk*n_kv + c)*hs + e];
-                            }
-                            p[c] = dot/sqrt((double) hs) + mask[(size_t) i*n_kv + c];
-                            mx = std::max(mx, p[c]);
-                        }
-                        double sum = 0.0;
-                        for (int c = 0; c < n_kv; ++c) sum += (p[c] = exp(p[c] - mx));
-                        for (int e = 0; e < hs; ++e) {
-                            double acc = 0.0;
-                            for (int c = 0; c < n_kv; ++c) acc += p[c]*vp[((size_t) hk*n_kv + c)*hs + e];
-                            out[((size_t) i*nh + h)*hs + e] = (float) (acc/sum);
-                        }
-                    }
-                }
-                return out;
-            };
-            const std::vector<float> ref = twin(qt, kt, vt), reff = twin(q, kf, vf);
-            const bool ran = ggml_rq_counter_get(GGML_RQ_ISO_AVX512_CALLS) > 0 || n_vnni == 0;
-            if (n_vnni > 0) {
-                const double e = rel_err(got, ref);
-                CHECK(ran && e < 5e-3, "%s hs=%d %d heads over %d: AVX-512 kernels vs their twin rel err %.3g", ggml_type_name(it), hs, nh, hkv, e);
-                sum_e += e;
-                sum_ef += rel_err(got, reff);
-            }
-            // the last token alone: the same bits
-            std::vector<float> q1((size_t) hs*nh), m1(mask.end() - n_kv, mask.end());
-            for (int h = 0; h < nh; ++h) memcpy(&q1[(size_t) h*hs], &q[((size_t) h*n_q + n_q - 1)*hs], hs*sizeof(float));
-            const std::vector<float> one = attend_x(it, it, q1, k, v, xk, xv, rows, m1, hs, 1, nh, n_kv, hkv, 1);
-            CHECK(memcmp(one.data(), &got[(size_t) (n_q - 1)*nh*hs], one.size()*sizeof(float)) == 0,
-                  "%s hs=%d %d heads over %d: the last row alone differs from the same row in company", ggml_type_name(it), hs, nh, hkv);
-            n_cmp++;
+            ggml_rq_iso_rotate_inv(z, &y[r*128]);
         }
-        if (n_vnni > 0) {
-            // the twin tells the roundings apart: the float kernel's twin is further off (measured 6x)
-            CHECK(sum_ef > 3*sum_e, "the AVX-512 kernels are as close to the float twin (%.3g) as to their own (%.3g)", sum_ef, sum_e);
-            printf("test-rq-attn: AVX-512 kernels, %d cases: mean rel err %.2g vs their twin, %.2g vs the float one\n",
-                   n_cmp, sum_e/n_cmp, sum_ef/n_cmp);
-        } else {
-            printf("test-rq-attn: no AVX-512 VNNI/BF16 on this CPU or build: those kernels were not run (%d cases)\n", n_cmp);
+        return y;
+    };
+    // the int8 levels: round(c L/cmax) with the outer level L <= 127 that moves the levels least (sum of squares)
+    static float L8 = 0.0f;
+    double emin = INFINITY;
+    for (int L = 127; L >= 64; --L) {
+        double e = 0.0;
+        for (int l = 0; l < (1 << bits); ++l) {
+            const double d = (double) (cmax/L)*roundf(cb[l]*L/cmax) - cb[l];
+            e += d*d;
         }
-        ggml_rq_cpu_set_avx512(false);
+        if (e < emin) { emin = e; L8 = (float) L; }
     }
+    kt = decode(k, [](float c, float m) { return (m/L8)*roundf(c*L8/m); });
+    vt = decode(v, [](float c, float) { return ggml_bf16_to_fp32(ggml_fp32_to_bf16(c)); });
+}
 
-    // single-token decode over more keys than one chunk (rq-cpu.c: RQ_FA_CHUNK = 1024 visible keys), fewer K/V heads
-    // than threads: the threads split each head's chunks (ggml_rq_fa_iso_split), and the output must be the bits of one
-    // thread, which folds the same chunks in the same order, for any thread count; both kernels, masked holes, exact
-    // rows. Against the dequantised F32 twin the fold must be attention (the float kernels, 2e-5 as above).
+static std::vector<float> avx512_twin_query(const std::vector<float> & q) {
+    // the twin's query: rotated, rounded to int8 per row and block, scaled back, rotated back
+    std::vector<float> qt(q.size());
+    for (size_t r = 0; r < q.size()/128; ++r) {
+        float y[128];
+        ggml_rq_iso_rotate(&q[r*128], y);
+        float m = 0.0f;
+        for (float x : y) m = std::max(m, fabsf(x));
+        const float inv = m > 0.0f ? 127.0f/m : 0.0f;
+        for (float & x : y) x = roundf(x*inv)*(m/127.0f);
+        ggml_rq_iso_rotate_inv(y, &qt[r*128]);
+    }
+    return qt;
+}
+
+// in double: an exact cell is scored with the query as given (as the kernel does), a packed one with the int8 one
+static std::vector<float> avx512_twin(const std::vector<float> & q, const std::vector<float> & qp, const std::vector<float> & kp,
+                                      const std::vector<float> & vp, const std::vector<int32_t> & rows,
+                                      const std::vector<float> & mask, int hs, int n_q, int nh, int n_kv, int ratio) {
+    std::vector<float> out((size_t) hs*nh*n_q);
+    std::vector<double> p(n_kv);
+    for (int i = 0; i < n_q; ++i) {
+        for (int h = 0; h < nh; ++h) {
+            const int hk = h/ratio;
+            double mx = -INFINITY;
+            for (int c = 0; c < n_kv; ++c) {
+                const std::vector<float> & qq = rows[c] >= 0 ? q : qp;
+                double dot = 0.0;
+                for (int e = 0; e < hs; ++e) {
+                    dot += (double) qq[((size_t) h*n_q + i)*hs + e]*kp[((size_t) hk*n_kv + c)*hs + e];
+                }
+                p[c] = dot/sqrt((double) hs) + mask[(size_t) i*n_kv + c];
+                mx = std::max(mx, p[c]);
+            }
+            double sum = 0.0;
+            for (int c = 0; c < n_kv; ++c) sum += (p[c] = exp(p[c] - mx));
+            for (int e = 0; e < hs; ++e) {
+                double acc = 0.0;
+                for (int c = 0; c < n_kv; ++c) acc += p[c]*vp[((size_t) hk*n_kv + c)*hs + e];
+                out[((size_t) i*nh + h)*hs + e] = (float) (acc/sum);
+            }
+        }
+    }
+    return out;
+}
+
+// the AVX-512 kernels (VNNI scoring of ISOQUANT3_0/4_0 keys, bf16 V pairs; where the CPU has them) against their
+// twin, attention in double with each query row rounded to int8 per 128-value block in the rotated domain, K decoded
+// with the int8 codebook (outer level 113 or 112, not 127: iso_cb_u8) and V with the bf16 one: the roundings the
+// kernels make (rq-fa-avx512.c: iso_q8_tile, iso_cb_u8, iso_cb_bf16) but the bf16 rounding of each key's weight
+// (2^-9 relative), so within 5e-3 (the unfused F16 twin's bound; measured ~1.5e-3). Tile heights 1..8 and a split
+// tile (12 heads over 1), partial blocks of keys and an odd key, masked holes, exact rows; a row alone gives the bits
+// it gives in company.
+static void test_avx512(std::mt19937 & rng) {
+    ggml_rq_cpu_set_avx512(true);
+    int n_cmp = 0;
+    uint64_t n_vnni = 0;
+    double sum_e = 0.0, sum_ef = 0.0; // vs the twin, and vs the float kernel's twin (how much the rounding moves)
+    for (ggml_type it : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0})
+    for (int hs : {128, 256})
+    for (int hkv : {1, 2})
+    for (int ratio : {1, 2, 3, 5, 6, 8, 12}) {
+        const int nh = hkv*ratio, n_kv = 53, n_q = 3;
+        const size_t n_rows_k = (size_t) n_kv*hkv;
+        std::vector<float> q((size_t) hs*n_q*nh), k(n_rows_k*hs), v(k.size());
+        fill(q, rng, 1.0f, 1.0f);
+        fill(k, rng, 1.0f, 8.0f);
+        fill(v, rng, 0.5f, 1.0f);
+        std::vector<float> mask((size_t) n_kv*n_q, 0.0f);
+        for (int i = 0; i < n_q; ++i) {
+            for (int c = 0; c < n_kv; ++c) {
+                if (c % 9 == 4 || c > n_kv - n_q + i) mask[(size_t) i*n_kv + c] = -INFINITY;
+            }
+        }
+        std::vector<int32_t> rows(n_kv, -1);
+        std::vector<float> xk, xv;
+        if (ratio % 2 == 0) { // every 5th cell exact
+            for (int c = 0; c < n_kv; c += 5) {
+                rows[c] = (int32_t) (xk.size()/(hs*hkv));
+                for (int h = 0; h < hkv; ++h) {
+                    const size_t off = ((size_t) h*n_kv + c)*hs;
+                    xk.insert(xk.end(), k.begin() + off, k.begin() + off + hs);
+                    xv.insert(xv.end(), v.begin() + off, v.begin() + off + hs);
+                }
+            }
+        }
+        ggml_rq_counters_reset();
+        const std::vector<float> got = attend_x(it, it, q, k, v, xk, xv, rows, mask, hs, n_q, nh, n_kv, hkv, 1);
+        n_vnni += ggml_rq_counter_get(GGML_RQ_ISO_AVX512_CALLS);
+
+        std::vector<float> kt, vt;
+        avx512_twin_kv(it, hs, n_rows_k, k, v, kt, vt);
+        std::vector<float> kf = roundtrip(k, hs, it), vf = roundtrip(v, hs, it);
+        // the exact cells: F16 rows in both twins
+        for (int c = 0; c < n_kv; ++c) {
+            if (rows[c] < 0) continue;
+            for (int h = 0; h < hkv; ++h) {
+                const size_t off = ((size_t) h*n_kv + c)*hs, xo = ((size_t) rows[c]*hkv + h)*hs;
+                for (int i = 0; i < hs; ++i) {
+                    kt[off + i] = kf[off + i] = f16_round(xk[xo + i]);
+                    vt[off + i] = vf[off + i] = f16_round(xv[xo + i]);
+                }
+            }
+        }
+        const std::vector<float> qt = avx512_twin_query(q);
+        const std::vector<float> ref = avx512_twin(q, qt, kt, vt, rows, mask, hs, n_q, nh, n_kv, ratio),
+                                 reff = avx512_twin(q, q, kf, vf, rows, mask, hs, n_q, nh, n_kv, ratio);
+        const bool ran = ggml_rq_counter_get(GGML_RQ_ISO_AVX512_CALLS) > 0 || n_vnni == 0;
+        if (n_vnni > 0) {
+            const double e = rel_err(got, ref);
+            CHECK(ran && e < 5e-3, "%s hs=%d %d heads over %d: AVX-512 kernels vs their twin rel err %.3g", ggml_type_name(it), hs, nh, hkv, e);
+            sum_e += e;
+            sum_ef += rel_err(got, reff);
+        }
+        // the last token alone: the same bits
+        std::vector<float> q1((size_t) hs*nh), m1(mask.end() - n_kv, mask.end());
+        for (int h = 0; h < nh; ++h) memcpy(&q1[(size_t) h*hs], &q[((size_t) h*n_q + n_q - 1)*hs], hs*sizeof(float));
+        const std::vector<float> one = attend_x(it, it, q1, k, v, xk, xv, rows, m1, hs, 1, nh, n_kv, hkv, 1);
+        CHECK(memcmp(one.data(), &got[(size_t) (n_q - 1)*nh*hs], one.size()*sizeof(float)) == 0,
+              "%s hs=%d %d heads over %d: the last row alone differs from the same row in company", ggml_type_name(it), hs, nh, hkv);
+        n_cmp++;
+    }
+    if (n_vnni > 0) {
+        // the twin tells the roundings apart: the float kernel's twin is further off (measured 6x)
+        CHECK(sum_ef > 3*sum_e, "the AVX-512 kernels are as close to the float twin (%.3g) as to their own (%.3g)", sum_ef, sum_e);
+        printf("test-rq-attn: AVX-512 kernels, %d cases: mean rel err %.2g vs their twin, %.2g vs the float one\n",
+               n_cmp, sum_e/n_cmp, sum_ef/n_cmp);
+    } else {
+        printf("test-rq-attn: no AVX-512 VNNI/BF16 on this CPU or build: those kernels were not run (%d cases)\n", n_cmp);
+    }
+    ggml_rq_cpu_set_avx512(false);
+}
+
+// single-token decode over more keys than one chunk (rq-cpu-impl.h: RQ_FA_CHUNK = 1024 visible keys), fewer K/V heads
+// than threads: the threads split each head's chunks (ggml_rq_fa_iso_split), and the output must be the bits of one
+// thread, which folds the same chunks in the same order, for any thread count; both kernels, masked holes, exact
+// rows. Against the dequantised F32 twin the fold must be attention (the float kernels, 2e-5 as above).
+static void test_chunked_decode(std::mt19937 & rng) {
     for (bool avx512 : {false, true})
     for (ggml_type tk : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_F16})
     for (int hkv : {1, 2})
@@ -613,24 +634,26 @@ int main() {
         }
     }
     ggml_rq_cpu_set_avx512(false);
+}
 
-    // the ablation switch really skips the inverse rotation (output stays in the rotated domain)
-    {
-        const int hs = 128, n_kv = 64, n_q = 1;
-        std::vector<float> q((size_t) hs*n_q*n_head), k((size_t) hs*n_kv*n_head_kv), v(k.size());
-        fill(q, rng, 1.0f, 1.0f); fill(k, rng, 1.0f, 1.0f); fill(v, rng, 1.0f, 1.0f);
-        const std::vector<float> good = attend(GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT3_0, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
-        ggml_rq_iso_set_skip_inverse(true);
-        std::vector<float> bad = attend(GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT3_0, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
-        ggml_rq_iso_set_skip_inverse(false);
-        for (size_t r = 0; r < bad.size(); r += hs) {
-            ggml_rq_iso_rotate_inv(&bad[r], &bad[r]);
-        }
-        CHECK(rel_err(bad, good) < 1e-5, "skip-inverse output is not R*(fused output)");
+// the ablation switch really skips the inverse rotation (output stays in the rotated domain)
+static void test_skip_inverse(std::mt19937 & rng, int n_head, int n_head_kv) {
+    const int hs = 128, n_kv = 64, n_q = 1;
+    std::vector<float> q((size_t) hs*n_q*n_head), k((size_t) hs*n_kv*n_head_kv), v(k.size());
+    fill(q, rng, 1.0f, 1.0f); fill(k, rng, 1.0f, 1.0f); fill(v, rng, 1.0f, 1.0f);
+    const std::vector<float> good = attend(GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT3_0, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
+    ggml_rq_iso_set_skip_inverse(true);
+    std::vector<float> bad = attend(GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT3_0, q, k, v, hs, n_q, n_head, n_kv, n_head_kv);
+    ggml_rq_iso_set_skip_inverse(false);
+    for (size_t r = 0; r < bad.size(); r += hs) {
+        ggml_rq_iso_rotate_inv(&bad[r], &bad[r]);
     }
+    CHECK(rel_err(bad, good) < 1e-5, "skip-inverse output is not R*(fused output)");
+}
 
-    // the codebook lookup of every SIMD path, bit for bit: the dot product with a one-hot query is one
-    // codebook value times the block norm, rounded once, whatever the summation order
+// the codebook lookup of every SIMD path, bit for bit: the dot product with a one-hot query is one
+// codebook value times the block norm, rounded once, whatever the summation order
+static void test_codebook_lookup(std::mt19937 & rng) {
     for (ggml_type t : {GGML_TYPE_ISOQUANT3_0, GGML_TYPE_ISOQUANT4_0, GGML_TYPE_ISOQUANT3_64, GGML_TYPE_ISOQUANT4_64}) {
         const int bits = ggml_rq_iso_bits(t), qk = ggml_rq_iso_qk(t), n = 2*qk;
         const size_t bs = ggml_row_size(t, qk);
@@ -657,6 +680,20 @@ int main() {
         }
         CHECK(n_bad == 0, "%s vec_dot with one-hot queries: %d of %d lookups not bit-exact", ggml_type_name(t), n_bad, n);
     }
+}
+
+int main() {
+    ggml_cpu_init();
+    std::mt19937 rng(42);
+    const int n_head = 4, n_head_kv = 2;
+
+    test_float_kernels(rng, n_head, n_head_kv);
+    test_sharp(rng, n_head, n_head_kv);
+    test_exact_rows(rng, n_head, n_head_kv);
+    test_avx512(rng);
+    test_chunked_decode(rng);
+    test_skip_inverse(rng, n_head, n_head_kv);
+    test_codebook_lookup(rng);
 
     printf("test-rq-attn: %s (%d failures)\n", n_fail == 0 ? "OK" : "FAILED", n_fail);
     return n_fail == 0 ? 0 : 1;
