@@ -4,9 +4,9 @@
 set-up installs it on top of our build, so nothing here replaces it.
 """
 
+from rotaryquant.bindings.context import KV_STATS, apply, kv_stats, llama_kwargs, unhooked_archs
 from rotaryquant.bindings.ggml import (
     COUNTERS,
-    ISO_TYPES,
     GGMLType,
     RQTypeError,
     counters,
@@ -26,14 +26,17 @@ from rotaryquant.bindings.ggml import (
     type_from_name,
     type_name,
     type_names,
+    validate_kv_spec,
 )
-from rotaryquant.bindings.context import KV_STATS, apply, kv_stats, llama_kwargs, unhooked_archs
-from rotaryquant.bindings.tools import binary, bin_dir
+from rotaryquant.bindings.tools import bin_dir, binary
+from rotaryquant.kvtypes import (
+    ISO_TYPES,  # the IsoQuant types: a table of names, kvtypes' (no library needed)
+)
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",
     "cpu_avx512", "cpu_split", "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
     "row_size", "rq_version", "set_cpu_avx512", "set_cpu_split", "set_iso_skip_inverse", "set_iso_variant", "type_from_name",
     "type_name", "type_names",
-    "unhooked_archs",
+    "unhooked_archs", "validate_kv_spec",
 ]

@@ -155,7 +155,7 @@ class EvalCallback:
 
     def __init__(self, want: Callable[[Node], bool], take: Callable[[Node], Any]) -> None:
         lib()  # first: without the build this is a MissingBuildError, not an ImportError; checks the layout
-        import llama_cpp as L
+        import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
         self.want, self.take = want, take
         self.errors: list[BaseException] = []
@@ -211,7 +211,7 @@ def capture(model: Path | str, prompt: str | list[int], names: Iterable[str], *,
             out.setdefault(n.name, n.f32().reshape(-1))
 
     cb = EvalCallback(lambda n: n.name.startswith(prefixes), take)
-    import llama_cpp as L
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
     model_p = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
     if not model_p:

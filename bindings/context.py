@@ -45,7 +45,7 @@ def apply(cparams: Any, *, unfused: bool = False, k_center: str = "auto", deferr
 def kv_stats(llm_or_ctx: Any) -> dict[str, int]:
     """Deferred-prefill counters of one context (a ``llama_cpp.Llama`` or a raw ``llama_context *``), summed over
     its KV caches: cells released, sequences converted, transient bytes now and at peak."""
-    import llama_cpp
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     ctx = getattr(llm_or_ctx, "ctx", llm_or_ctx)
     s = llama_cpp.llama_rq_get_kv_stats(ctx)
@@ -55,6 +55,6 @@ def kv_stats(llm_or_ctx: Any) -> dict[str, int]:
 
 def unhooked_archs() -> tuple[str, ...]:
     """Architectures whose KV cache K centring and deferred prefill cannot reach, as the C library lists them."""
-    import llama_cpp
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     return tuple(a for a in llama_cpp.llama_rq_unhooked_archs().decode().split(",") if a)

@@ -16,6 +16,7 @@ from types import ModuleType
 
 import numpy as np
 
+from rotaryquant import kvtypes
 from rotaryquant.errors import MissingBuildError, RQError
 
 
@@ -48,17 +49,16 @@ class GGMLType(IntEnum):
     ISOQUANT4_64 = 246
 
 
-# all IsoQuant types; the order of enum ggml_rq_counter
+# the order of enum ggml_rq_counter
 COUNTERS = ("iso_dequant_rows", "iso_fused_calls", "iso_fallback_calls", "iso_quant_rows", "iso_avx512_calls",
             "iso_split_calls")
-ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")
 ISO_VARIANTS = ("v3", "v2", "v1", "none")
 
 
 def load_llama_cpp() -> ModuleType:
     """The llama_cpp package set-up installs over our build; MissingBuildError when it cannot be loaded."""
     try:
-        import llama_cpp  # loads libllama and, through it, libggml*
+        import llama_cpp  # lazy: loads libllama and, through it, libggml* (needs the build)
     except (ImportError, OSError, RuntimeError) as e:  # not installed, or its shared libraries missing
         raise MissingBuildError(f"the patched llama_cpp cannot be loaded ({type(e).__name__}: {e})") from e
     return llama_cpp
@@ -146,6 +146,14 @@ def _type_ids() -> dict[str, int]:
         if tn and _ggml().ggml_blck_size(t) > 0 and b" " not in tn:
             out[tn.decode().lower()] = t
     return out
+
+
+def validate_kv_spec(spec: str) -> str:
+    """``spec`` (a KV-cache spec, :mod:`rotaryquant.kvtypes`) when every type it names is one of this ggml's;
+    RQTypeError naming the first that is not."""
+    for t in kvtypes.type_names(spec):
+        type_from_name(t)
+    return spec
 
 
 def type_names() -> tuple[str, ...]:

@@ -1,27 +1,24 @@
 """The calibration step of :func:`rotaryquant.converter.convert.convert`: whether a conversion calibrates
-(explicitly, or by default when it emits ITQ3_S), the one llama.cpp pass that measures the statistics
-(:mod:`calibration`, :mod:`kcenter`) or their reuse from a saved file, and what a dry run announces."""
+(explicitly, or by default when it emits ITQ3_S), its text, the one llama.cpp pass that measures the statistics
+(:mod:`calibration`, :mod:`kcenter`), and what a dry run announces. Loading saved statistics, and the temporary
+Q8_0 conversion an HF source is measured on, are convert's (``_calibration``: it calls convert itself)."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
+from rotaryquant.converter import calibration as C
 from rotaryquant.converter import gguf_source, kcenter
 from rotaryquant.converter import roles as R
+from rotaryquant.converter.calibration import BLOCK, Stats
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.converter.options import Options, Result
 from rotaryquant.converter.qtypes import QT
 from rotaryquant.converter.recipes import Planner
-
-if TYPE_CHECKING:
-    from rotaryquant.converter.calibration import Stats
-    from rotaryquant.converter.convert import Options, Result
-
-log = logging.getLogger("rq-convert")
+from rotaryquant.data import calibration_text
 
 _HIGH_PRECISION = (QT.F32, QT.F16, QT.BF16, QT.Q8_0)
 
@@ -59,8 +56,6 @@ def resolve_calibration(opts: Options, planner: Planner) -> tuple[Options, bool]
 def _gram_estimate(planner: Planner, want: Callable[[str], bool]) -> tuple[int, int]:
     """(weights, bytes) of the Gram statistics a pass would accumulate (float64), from the plan's shapes;
     q/k/v and gate/up of a layer read one input, as the collector finds in the graph."""
-    from rotaryquant.converter.calibration import BLOCK
-
     groups: dict[str, int] = {}
     n = 0
     for d in planner.decisions:
@@ -74,11 +69,9 @@ def _gram_estimate(planner: Planner, want: Callable[[str], bool]) -> tuple[int, 
     return n, sum(v * BLOCK * 8 for v in groups.values())
 
 
-def _calibration_text(opts: Options) -> tuple[bytes, str]:
+def calibration_input(opts: Options) -> tuple[bytes, str]:
     text = opts.calibrate
     if not text:
-        from rotaryquant.data import calibration_text
-
         text = calibration_text()
     path = Path(text).expanduser()
     if not path.is_file():
@@ -93,58 +86,8 @@ def _calibration_text(opts: Options) -> tuple[bytes, str]:
     return data, path.name
 
 
-def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner, opts: Options,
-                 result: Result) -> Stats | None:
-    """The statistics for this conversion: loaded (--calibration-data) or measured in one pass over the
-    source (a GGUF) or a temporary Q8_0 conversion of it (an HF model), deleted afterwards."""
-    from rotaryquant.converter import calibration as C
-
-    want = itq3_wanted(planner)
-    if opts.calibration_data:
-        stats = C.Stats.load(opts.calibration_data)
-        if kind == "gguf":
-            r = gguf_source.open_gguf(src)
-            stats.check(C.Identity.of_gguf(src, r), C.gguf_shapes(src, r), what=src.name)
-        result.notes.append(f"calibration statistics from {Path(opts.calibration_data).name}: {stats.summary()}")
-        return stats
-    if opts.calibrate is None:
-        return None
-    data, text_name = _calibration_text(opts)
-    tmp_q8 = None
-    try:
-        if kind == "gguf":
-            model = src
-        else:
-            from rotaryquant.converter.convert import Options, _tmp, convert   # the recursion: HF -> Q8_0 first
-
-            tmp_q8 = _tmp(parent, name, ".calib.tmp")
-            log.info("converting %s to a temporary Q8_0 GGUF for calibration", src)
-            convert(src, tmp_q8, Options(recipe="q8_0", tensor_backend=opts.tensor_backend, threads=opts.threads,
-                                         progress=opts.progress, verbose=opts.verbose))
-            model = tmp_q8
-        stats = _measure(model, data, text_name, want, opts, what=src.name, required=not result.calibration_default)
-        if stats is None:
-            result.notes.append(f"not calibrated: no weight of {src.name} becomes ITQ3_S with rows of a multiple of "
-                                "256 values, and K centring does not apply")
-            return None
-    finally:
-        if tmp_q8 is not None:
-            with contextlib.suppress(OSError):
-                tmp_q8.unlink()
-    if result.calibration_default:
-        result.notes.append(f"calibrated by default ({opts.recipe} emits ITQ3_S, which without statistics loses to "
-                            "IQ3_S+imatrix); --no-calibrate skips it, --save-calibration keeps the statistics")
-    result.notes.append(stats.summary())
-    result.notes.extend(stats.notes)
-    if opts.save_calibration:
-        result.notes.append(f"calibration statistics saved to {stats.save(opts.save_calibration)}")
-    return stats
-
-
-def _measure(model: Path, data: bytes, text_name: str, want: Callable[[str], bool], opts: Options, *,
-             what: str, required: bool = True) -> Stats | None:
-    from rotaryquant.converter import calibration as C
-
+def measure(model: Path, data: bytes, text_name: str, want: Callable[[str], bool], opts: Options, *,
+            what: str, required: bool = True) -> Stats | None:
     r = gguf_source.open_gguf(model)   # one parse (a 150k-token vocabulary takes seconds)
     cands = [n for n, shp in C.gguf_shapes(model, r).items() if len(shp) == 2 and want(n) and shp[-1] % C.BLOCK == 0]
     try:

@@ -31,16 +31,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from rotaryquant.bindings import capture
+from rotaryquant.bindings.capture import Node
 from rotaryquant.converter import kcenter
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.converter.gguf_source import architecture, open_gguf
 from rotaryquant.files import publish
-
-if TYPE_CHECKING:
-    from rotaryquant.bindings.capture import Node
 
 BLOCK = 256
 FORMAT = "rotaryquant.calibration"
@@ -63,8 +63,6 @@ class GramCollector:
     """
 
     def __init__(self, want: Callable[[str], bool]) -> None:
-        from rotaryquant.bindings import capture
-
         self.want = want
         self.mul_mat = capture.op_id("MUL_MAT")  # loads the library and checks struct ggml_tensor's layout
         self.mul_mat_id = capture.op_id("MUL_MAT_ID")
@@ -169,8 +167,6 @@ class Identity:
 
     @staticmethod
     def of_gguf(path: Path, reader: Any = None) -> Identity:
-        from rotaryquant.converter.gguf_source import architecture, open_gguf
-
         r = reader if reader is not None else open_gguf(path)
         f = r.fields.get("tokenizer.ggml.tokens")
         if f is None:
@@ -181,8 +177,6 @@ class Identity:
 
 def gguf_shapes(path: Path, reader: Any = None) -> dict[str, tuple[int, ...]]:
     """Tensor name -> numpy shape, for every tensor of a GGUF."""
-    from rotaryquant.converter.gguf_source import open_gguf
-
     r = reader if reader is not None else open_gguf(path)
     return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in r.tensors}
 
@@ -324,8 +318,6 @@ def collect(model: Path, text: bytes, *, text_name: str, want: Callable[[str], b
     group_of = {w: g for w, g in grams.group_of.items() if g in xtx}
     skipped = {w: why for w, why in grams.skipped.items() if w not in group_of}
     if reader is None:
-        from rotaryquant.converter.gguf_source import open_gguf
-
         reader = open_gguf(model)
     st = Stats(Identity.of_gguf(model, reader), xtx, group_of, {w: grams.shapes[w] for w in group_of}, grams.tokens,
                kcal, n, text_name, hashlib.sha256(text).hexdigest(), skipped, layer_tensors(gguf_shapes(model, reader)))

@@ -9,6 +9,7 @@ import traceback
 
 from rotaryquant.converter import kcenter
 from rotaryquant.converter import roles as R
+from rotaryquant.converter.convert import Options, convert
 from rotaryquant.converter.recipes import ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, RECIPES
 from rotaryquant.errors import RQError, UsageError, run_cli
 
@@ -90,7 +91,6 @@ def _main(argv: list[str] | None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="rq-convert: %(levelname)s: %(message)s")
-    from rotaryquant.converter.convert import Options, convert
 
     if not args.dry_run and not args.output:
         raise UsageError("no output file given (rq-convert SOURCE OUT.gguf, or --dry-run)")

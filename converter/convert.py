@@ -14,27 +14,35 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable
 
+import gguf
 import numpy as np
+from gguf import GGML_QUANT_VERSION
+from gguf import GGUFValueType as V
+from tqdm import tqdm
 
-from rotaryquant.converter import gguf_source, hf, kcenter
-from rotaryquant.converter.calibrate_step import (_calibration, _check_calibration_used, _dry_run_calibration_note,
-                                                  resolve_calibration)
+from rotaryquant import paths
+from rotaryquant.converter import calibrate_step, gguf_source, hf
+from rotaryquant.converter import calibration as C
 from rotaryquant.converter import roles as R
+from rotaryquant.converter.calibrate_step import (
+    _check_calibration_used,
+    _dry_run_calibration_note,
+    itq3_wanted,
+    resolve_calibration,
+)
+from rotaryquant.converter.calibration import Identity, Stats
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.imatrix import check_shape, load_imatrix
+from rotaryquant.converter.options import Options, Result
 from rotaryquant.converter.qtypes import FLOAT_TYPES, QT, file_type_for, quantize, type_name
-from rotaryquant.converter.recipes import (ACT_KURTOSIS_THRESHOLD, KURTOSIS_THRESHOLD, Planner, get_recipe,
-                                           parse_override)
+from rotaryquant.converter.recipes import Planner, get_recipe, parse_override
 from rotaryquant.converter.writer import META_PREFIX, StreamingWriter
 from rotaryquant.errors import RQError
 from rotaryquant.files import publish
-
-if TYPE_CHECKING:
-    from rotaryquant.converter.calibration import Stats
 
 log = logging.getLogger("rq-convert")
 FORMAT_VERSION = 1  # bump when the rotaryquant.converter.* metadata changes meaning
@@ -42,56 +50,10 @@ FORMAT_VERSION = 1  # bump when the rotaryquant.converter.* metadata changes mea
 
 def tool_version() -> str:
     try:
-        from importlib.metadata import version
-
         pkg = version("rotaryquant")
     except Exception:  # noqa: BLE001
         pkg = "unknown"
     return f"rq-convert {pkg} (format {FORMAT_VERSION})"
-
-
-@dataclass
-class Options:
-    recipe: str = "rotaryquant"
-    tensor_types: Sequence[str] = ()             # llama-quantize's --tensor-type REGEX=TYPE
-    imatrix: str | Path | None = None
-    kurtosis_threshold: float = KURTOSIS_THRESHOLD
-    act_kurtosis_threshold: float = ACT_KURTOSIS_THRESHOLD
-    promote: bool = True
-    measure: bool | None = None                  # measure kurtosis even when nothing can be promoted
-    dry_run: bool = False
-    threads: int | None = None
-    tensor_backend: str = "auto"                 # auto | numpy | torch (HF input only)
-    progress: bool = True
-    verbose: bool = False
-    # second-order (ITQ3_S) and K-centring calibration, one llama.cpp pass (see calibration.py)
-    calibrate: str | Path | None = None          # calibration text; "" = the packaged calibration text
-    auto_calibrate: bool = True                  # calibrate=None: recipes that emit ITQ3_S calibrate anyway
-    calibration_data: str | Path | None = None   # reuse statistics saved with save_calibration (.npz)
-    save_calibration: str | Path | None = None   # also write the measured statistics there (.npz)
-    calibration_tokens: int = kcenter.DEFAULT_TOKENS
-    calibration_ctx: int = 2048
-
-
-@dataclass
-class Result:
-    source: Path
-    kind: str                                    # "hf" | "gguf"
-    output: Path | None                          # None for a dry run
-    planner: Planner
-    seconds: float
-    n_weights: int
-    backend: str | None = None
-    file_type: str | None = None
-    output_bytes: int = 0
-    notes: list[str] = field(default_factory=list)
-    calibration: Stats | None = None
-    calibrated: list[str] = field(default_factory=list)   # tensors quantised with their Gram blocks
-    calibration_default: bool = False                     # calibrated because the recipe emits ITQ3_S
-
-    @property
-    def weights_per_second(self) -> float:
-        return self.n_weights / self.seconds if self.seconds > 0 else float("nan")
 
 
 # --- output handling --------------------------------------------------------------------------------
@@ -137,8 +99,6 @@ def _io_error(e: OSError, src: Path, out: Path) -> ConvertError:
 def eager(t: Any) -> np.ndarray:
     """A real ndarray for what upstream hands the writer: with the torch backend, a lazy tensor
     (np.asarray of one would silently give its all-zero meta array) or a row-chunked one."""
-    import gguf
-
     if isinstance(t, gguf.LazyBase):
         return np.asarray(type(t).to_eager(t))
     if isinstance(t, gguf.LazyChunkedTensor):
@@ -191,8 +151,6 @@ def _make_sink(planner: Planner, keep_float: Callable[[str], bool | None], imatr
 
 def _finalize(planner: Planner, opts: Options, src: Path, imatrix_path: Path | None,
               result: Result) -> Callable[[Any], None]:
-    from gguf import GGUFValueType as V
-
     def before_header(w: StreamingWriter) -> None:
         stats = result.calibration
         if stats is not None and opts.calibration_data and result.kind == "hf":
@@ -223,8 +181,6 @@ def _finalize(planner: Planner, opts: Options, src: Path, imatrix_path: Path | N
 
 
 def _kv_type(v: Any) -> tuple[Any, Any, Any]:
-    from gguf import GGUFValueType as V
-
     if isinstance(v, np.ndarray):
         return v.tolist(), V.ARRAY, V.INT32 if v.dtype.kind == "i" else V.FLOAT32
     if isinstance(v, str):
@@ -235,8 +191,6 @@ def _kv_type(v: Any) -> tuple[Any, Any, Any]:
 
 
 def _write_calibration(w: StreamingWriter, stats: Stats, result: Result) -> None:
-    from gguf import GGUFValueType as V
-
     if stats.kcal is not None:
         for k, v in stats.kcal.metadata().items():   # the same keys rq-calibrate writes
             w.set_kv(k, *_kv_type(v))
@@ -246,9 +200,53 @@ def _write_calibration(w: StreamingWriter, stats: Stats, result: Result) -> None
         w.set_kv(META_PREFIX + "calibrated", list(result.calibrated), V.ARRAY, V.STRING)
 
 
-def _check_hf_vocab(stats: Stats, w: StreamingWriter, src: Path) -> None:
-    from rotaryquant.converter.calibration import Identity
+def _calibration(kind: str, src: Path, parent: Path, name: str, planner: Planner, opts: Options,
+                 result: Result) -> Stats | None:
+    """The statistics for this conversion: loaded (--calibration-data) or measured in one pass over the
+    source (a GGUF) or a temporary Q8_0 conversion of it (an HF model), deleted afterwards."""
+    want = itq3_wanted(planner)
+    if opts.calibration_data:
+        stats = C.Stats.load(opts.calibration_data)
+        if kind == "gguf":
+            r = gguf_source.open_gguf(src)
+            stats.check(C.Identity.of_gguf(src, r), C.gguf_shapes(src, r), what=src.name)
+        result.notes.append(f"calibration statistics from {Path(opts.calibration_data).name}: {stats.summary()}")
+        return stats
+    if opts.calibrate is None:
+        return None
+    data, text_name = calibrate_step.calibration_input(opts)
+    tmp_q8 = None
+    try:
+        if kind == "gguf":
+            model = src
+        else:
+            # the recursion: HF -> Q8_0 first
+            tmp_q8 = _tmp(parent, name, ".calib.tmp")
+            log.info("converting %s to a temporary Q8_0 GGUF for calibration", src)
+            convert(src, tmp_q8, Options(recipe="q8_0", tensor_backend=opts.tensor_backend, threads=opts.threads,
+                                         progress=opts.progress, verbose=opts.verbose))
+            model = tmp_q8
+        stats = calibrate_step.measure(model, data, text_name, want, opts, what=src.name,
+                                       required=not result.calibration_default)
+        if stats is None:
+            result.notes.append(f"not calibrated: no weight of {src.name} becomes ITQ3_S with rows of a multiple of "
+                                "256 values, and K centring does not apply")
+            return None
+    finally:
+        if tmp_q8 is not None:
+            with contextlib.suppress(OSError):
+                tmp_q8.unlink()
+    if result.calibration_default:
+        result.notes.append(f"calibrated by default ({opts.recipe} emits ITQ3_S, which without statistics loses to "
+                            "IQ3_S+imatrix); --no-calibrate skips it, --save-calibration keeps the statistics")
+    result.notes.append(stats.summary())
+    result.notes.extend(stats.notes)
+    if opts.save_calibration:
+        result.notes.append(f"calibration statistics saved to {stats.save(opts.save_calibration)}")
+    return stats
 
+
+def _check_hf_vocab(stats: Stats, w: StreamingWriter, src: Path) -> None:
     tok = w.kv_data[0].get("tokenizer.ggml.tokens")
     if tok is None:
         raise ConvertError(f"{src} has no vocabulary to check the calibration statistics against")
@@ -258,7 +256,6 @@ def _check_hf_vocab(stats: Stats, w: StreamingWriter, src: Path) -> None:
 def _progress(total: int, opts: Options) -> Any:
     if not opts.progress:
         return None
-    from tqdm import tqdm
 
     return tqdm(total=total, unit="w", unit_scale=True, desc="rq-convert", file=sys.stderr, leave=False,
                 dynamic_ncols=True)
@@ -268,8 +265,6 @@ def _progress(total: int, opts: Options) -> Any:
 
 def _convert_hf(folder: Path, tmp_out: Path, data_file: Any, planner: Planner, imatrix: dict, opts: Options,
                 before_header: Callable, result: Result) -> None:
-    from rotaryquant import paths
-
     root = paths.llama_root()
     if not (root / "conversion").is_dir():
         raise ConvertError(f"llama.cpp's converter is not at {root}/conversion", fix="run `make setup`")
@@ -292,7 +287,7 @@ def _convert_hf(folder: Path, tmp_out: Path, data_file: Any, planner: Planner, i
 
     tmode: Any = contextlib.nullcontext()
     if backend == "torch":
-        import torch
+        import torch  # lazy: optional (--tensor-backend torch), heavy
 
         tmode = torch.inference_mode()
     try:
@@ -315,8 +310,6 @@ def _convert_hf(folder: Path, tmp_out: Path, data_file: Any, planner: Planner, i
 
 def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, imatrix: dict, opts: Options,
                   before_header: Callable, result: Result) -> None:
-    from gguf import GGML_QUANT_VERSION, GGUFValueType
-
     r = gguf_source.open_gguf(path)
     names = [t.name for t in r.tensors]
     planner.tied = "output.weight" not in names
@@ -330,7 +323,7 @@ def _convert_gguf(path: Path, tmp_out: Path, data_file: Any, planner: Planner, i
     w = StreamingWriter(gguf_source.architecture(r), sink=sink, data_file=data_file, dry_run=opts.dry_run,
                         before_header=before_header)
     gguf_source.copy_metadata(r, w)
-    w.set_kv("general.quantization_version", GGML_QUANT_VERSION, GGUFValueType.UINT32)
+    w.set_kv("general.quantization_version", GGML_QUANT_VERSION, V.UINT32)
     try:
         for name, t in gguf_source.tensors(r):
             try:

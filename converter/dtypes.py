@@ -1,7 +1,7 @@
 """Float formats at the converter's edges: the safetensors dtype table and bfloat16 <-> float32.
 
 numpy only; the input readers (``hf``, ``torchshim``), the quantiser (``qtypes``) and the folders made
-for tests and the demo (``rotaryquant.fixtures``) share these.
+for the demo, benchmarks and tests (``hf_folders``) share these.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from rotaryquant import gguf_io
+from rotaryquant import bindings, gguf_io
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.errors import MissingBuildError
 
@@ -42,6 +42,7 @@ def architecture(r: Any) -> str:
 
 
 def copy_metadata(r: Any, writer: Any) -> None:
+    # lazy: gguf is set-up's install from the tree; rq-calibrate --help skips its 0.1 s import
     from gguf import GGUFValueType
 
     for key, f in r.fields.items():
@@ -56,7 +57,10 @@ def copy_metadata(r: Any, writer: Any) -> None:
 
 def dequantize(t: Any) -> np.ndarray:
     """One GGUF tensor as float32 in numpy order (..., rows, cols)."""
+    # lazy: gguf is set-up's install from the tree; rq-calibrate --help skips its 0.1 s import
     from gguf import GGMLQuantizationType as QT
+
+    # lazy: gguf is set-up's install from the tree; rq-calibrate --help skips its 0.1 s import
     from gguf import quants
 
     shape = tuple(int(n) for n in reversed(t.shape))
@@ -68,7 +72,6 @@ def dequantize(t: Any) -> np.ndarray:
     raw = np.asarray(t.data, dtype=np.uint8).reshape(-1, t.data.shape[-1])
     try:
         # ggml's own to_float: the exact decoder llama.cpp uses, and ~10x faster than gguf-py's numpy one
-        from rotaryquant import bindings
 
         return bindings.dequantize(raw, int(qt), shape[-1]).reshape(shape)
     except (ValueError, OSError, RuntimeError, MissingBuildError):  # no build: gguf-py's decoder
@@ -81,6 +84,7 @@ def tensors(r: Any) -> Iterator[tuple[str, Any]]:
 
 
 def stored_f32(t: Any) -> bool:
+    # lazy: gguf is set-up's install from the tree; rq-calibrate --help skips its 0.1 s import
     from gguf import GGMLQuantizationType as QT
 
     return t.tensor_type == QT.F32

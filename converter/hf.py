@@ -28,8 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import gguf  # before load_conversion puts llama.cpp's tree on sys.path: the patched gguf-py wins over its copy
+
+from rotaryquant.converter import torchshim
 from rotaryquant.converter.dtypes import SAFETENSORS_DTYPES
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.converter.torchshim import ShimMissingAttribute, ShimUnsupported
+from rotaryquant.gguf_io import is_gguf
 
 log = logging.getLogger("rq-convert")
 
@@ -46,6 +51,7 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def resolve_repo_id(repo_id: str) -> Path:
     """A Hugging Face repo id -> a local snapshot folder: the cache first, then (if allowed) the hub."""
+    # lazy: only a repo id needs it, and it is slow to import
     from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.tiktoken"]
@@ -75,8 +81,6 @@ def resolve_input(spec: str | Path) -> tuple[str, Path]:
     if p.is_dir():
         return "hf", p
     if p.is_file():
-        from rotaryquant.gguf_io import is_gguf
-
         if is_gguf(p):
             return "gguf", p
         if p.name == "config.json":
@@ -269,16 +273,16 @@ def load_conversion(backend: str, llama_root: Path) -> Any:
         raise ConvertError(f"this process already loaded llama.cpp's converter with the {_loaded_backend} "
                            f"backend; {backend} needs a fresh process", fix="run rq-convert again")
     try:
-        import gguf  # noqa: F401  (the patched gguf-py must win over conversion's sys.path insert)
-
         hide = backend == "numpy" and "transformers" not in sys.modules and "torch" not in sys.modules
         if hide:
             # transformers imports torch whenever it is installed (~250 MB, 2 s); on the numpy path
             # nothing needs it, so let transformers see (and cache) "torch absent" for this process
             sys.modules["torch"] = None  # type: ignore[assignment]
         try:
-            import transformers
-            from transformers import AutoConfig, AutoTokenizer  # noqa: F401  (before any torch stand-in)
+            import transformers  # lazy: heavy (seconds), only an HF folder needs it
+
+            # lazy: as above; before any torch stand-in
+            from transformers import AutoConfig, AutoTokenizer  # noqa: F401
 
             if hide:
                 transformers.utils.import_utils.is_torch_available()
@@ -292,8 +296,6 @@ def load_conversion(backend: str, llama_root: Path) -> Any:
     if root not in sys.path:
         sys.path.append(root)
     if backend == "numpy":
-        from rotaryquant.converter import torchshim
-
         with torchshim.installed():
             conv = importlib.import_module("conversion")
     else:
@@ -304,8 +306,6 @@ def load_conversion(backend: str, llama_root: Path) -> Any:
 
 def model_class(conv: Any, arch: str, backend: str, llama_root: Path) -> type:
     if backend == "numpy":
-        from rotaryquant.converter import torchshim
-
         ctx: Any = torchshim.installed()
     else:
         ctx = contextlib.nullcontext()
@@ -329,8 +329,6 @@ _KEEP_F32_KEYS = (
 
 def _upstream_keeps_float(model: Any, new_name: str, bid: int | None, n_dims: int) -> bool:
     """The float-only rule of ModelBase.prepare_tensors (conversion/base.py), for one output tensor."""
-    import gguf
-
     if n_dims <= 1 or new_name.endswith("_norm.weight"):
         return True
     keys = [getattr(gguf.MODEL_TENSOR, k) for k in _KEEP_F32_KEYS if hasattr(gguf.MODEL_TENSOR, k)]
@@ -360,8 +358,6 @@ def subclass(cls: type) -> type:
 
 
 def shim_errors() -> tuple[type, ...]:
-    from rotaryquant.converter.torchshim import ShimMissingAttribute, ShimUnsupported
-
     return (ShimUnsupported, ShimMissingAttribute)
 
 
@@ -383,8 +379,6 @@ def quiet_upstream(verbose: bool) -> Iterator[None]:
 def build_model(src: HFFolder, backend: str, llama_root: Path, out_tmp: Path,
                 make_writer: Callable[[str, Any], Any]) -> Any:
     """Instantiate upstream's model class for ``src`` with our hooks and our writer."""
-    import gguf
-
     conv = load_conversion(backend, llama_root)
     cls = subclass(model_class(conv, src.arch, backend, llama_root))
     try:
@@ -417,8 +411,6 @@ def build_model(src: HFFolder, backend: str, llama_root: Path, out_tmp: Path,
 
 def output_is_tied(model: Any) -> bool:
     """llama.cpp's has_tied_embeddings: no source tensor becomes output.weight."""
-    import gguf
-
     for name in model.model_tensors:
         mapped = model.tensor_map.get_type_and_name(name, try_suffixes=(".weight", ".bias"))
         if mapped is not None and mapped[0] == gguf.MODEL_TENSOR.OUTPUT:

@@ -9,19 +9,19 @@ giving ``{NAME: array (n_mat, n_per_row)}`` ready for the quantisers and the act
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter
 
+from rotaryquant import gguf_io
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.files import publish
 
 
 def load_imatrix(path: str | Path) -> dict[str, np.ndarray]:
-    from gguf import GGMLQuantizationType
-
-    from rotaryquant import gguf_io
-
     p = Path(path)
     if not p.is_file():
         raise ConvertError(f"imatrix {p} does not exist", fix="pass the GGUF file llama-imatrix wrote (-o FILE)")
@@ -65,13 +65,6 @@ def subset_imatrix(src: str | Path, dst: str | Path, names: list[str] | set[str]
     """Copy only ``names``' entries of the imatrix ``src`` to ``dst`` (written to a temp file, renamed): an
     A/B of one type on a tensor set, where an importance matrix must not also improve (or, through the
     activation-kurtosis rule, re-type) the tensors outside it."""
-    import os
-    import tempfile
-
-    from gguf import GGUFWriter
-
-    from rotaryquant import gguf_io
-
     src, dst = Path(src), Path(dst)
     load_imatrix(src)                                   # the same checks and errors as a full load
     r = gguf_io.open_reader(src)

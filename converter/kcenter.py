@@ -22,15 +22,19 @@ import hashlib
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from rotaryquant import gguf_io
+from rotaryquant.bindings import context, ggml
+from rotaryquant.bindings.capture import EvalCallback, Node
+from rotaryquant.converter import gguf_keys, kvalloc
 from rotaryquant.converter.errors import ConvertError
-
-if TYPE_CHECKING:
-    from rotaryquant.bindings.capture import EvalCallback, Node
+from rotaryquant.converter.gguf_source import architecture, open_gguf
+from rotaryquant.data import calibration_text
 
 PREFIX = "rotaryquant.k_center."
 FORMAT_VERSION = 1          # rotaryquant.k_center.version; the C++ loader checks it
@@ -53,8 +57,6 @@ _MLA_KEYS = ("attention.kv_lora_rank", "attention.key_length_mla")
 @functools.cache
 def _unhooked_archs() -> frozenset[str]:
     """llama_rq_unhooked_archs(): the list the runtime refuses K centring and deferred prefill by."""
-    from rotaryquant.bindings import context, ggml
-
     ggml.load_llama_cpp()  # MissingBuildError, not an ImportError, without the build
     return frozenset(context.unhooked_archs())
 
@@ -116,8 +118,6 @@ class Calibration:
 
     def metadata(self) -> dict[str, Any]:
         try:
-            from importlib.metadata import version
-
             tool = f"rq-calibrate {version('rotaryquant')} (format {FORMAT_VERSION})"
         except Exception:  # noqa: BLE001
             tool = f"rq-calibrate (format {FORMAT_VERSION})"
@@ -139,8 +139,6 @@ class Calibration:
 def check_model(path: Path, reader: Any = None) -> str:
     """The architecture, or ConvertError when the rewrite would not be exact for this model
     (``reader``: the GGUFReader of path, when the caller has one: parsing a big vocabulary takes seconds)."""
-    from rotaryquant.converter.gguf_source import architecture, open_gguf
-
     r = reader if reader is not None else open_gguf(path)
     arch = architecture(r)
     if arch in _REFUSED_ARCHS:
@@ -193,8 +191,6 @@ def run_pass(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAUL
              k_stats: bool = True) -> tuple[Calibration | None, int]:
     """One pass over the text: K statistics when ``k_stats``, and whatever ``hook`` gathers from the
     nodes it asks for. Returns (K calibration or None, tokens evaluated)."""
-    from rotaryquant.bindings.capture import EvalCallback
-
     stats: dict[int, LayerStats] = {}
     pending_q: dict[int, np.ndarray] = {}
     k_names = ("attn_q_in-", "attn_k_in-") if k_stats else ()  # attn_v_in-: not needed here
@@ -224,8 +220,8 @@ def run_pass(model: Path, text: bytes, *, text_name: str, n_tokens: int = DEFAUL
             pending_q[il] = x.copy()
 
     cb = EvalCallback(want, take)  # first: without the build this is a MissingBuildError, not an ImportError
-    import llama_cpp as L
-    import llama_cpp._logger as llog
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
+    import llama_cpp._logger as llog  # lazy: loads the patched libllama: needs the build
 
     level = llog.logger.level
     if not verbose:
@@ -272,7 +268,7 @@ def _collect(L: Any, cb: EvalCallback, stats: dict[int, LayerStats], model: Path
             raise ConvertError(f"could not create a llama.cpp context for {model}", fix="see the log above")
         batch = None
         try:
-            bar = _bar(sum(len(c) for c in chunks), progress, desc="calibrating" if hook else "calibrating K")
+            bar = gguf_keys.bar(sum(len(c) for c in chunks), progress, desc="calibrating" if hook else "calibrating K")
             batch = L.llama_batch_init(cp.n_batch, 0, 1) if hook is not None else None
             for c in chunks:
                 toks = ([bos] if bos is not None else []) + c
@@ -314,24 +310,16 @@ def _collect(L: Any, cb: EvalCallback, stats: dict[int, LayerStats], model: Path
                        text_sha256=hashlib.sha256(text).hexdigest()), n
 
 
-def _bar(total: int, enabled: bool, unit: str = "tok", desc: str = "calibrating K") -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit=unit, desc=desc, disable=not enabled, leave=False)
-
-
 # --- GGUF rewrite (metadata only, data copied verbatim: rotaryquant.gguf_io) ---------------------------
 
 def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefix: str = PREFIX,
                      progress: bool = True) -> None:
     """Copy src to dst (atomically) with keys under drop_prefix removed and set_kv added."""
-    from rotaryquant import gguf_io
-
     try:
         r = gguf_io.open_reader(src, fix="check it was written by a llama.cpp of this tree")
     except gguf_io.GGUFError as e:
         raise ConvertError(e.message, fix=e.fix) from None
-    bar = _bar(os.path.getsize(src) - r.data_offset, progress, unit="B", desc="writing")
+    bar = gguf_keys.bar(os.path.getsize(src) - r.data_offset, progress, unit="B", desc="writing")
     try:
         gguf_io.rewrite_metadata(src, dst, set_kv, drop=lambda k: k.startswith(drop_prefix), reader=r,
                                  progress=lambda done, _total: bar.update(done - bar.n))
@@ -339,18 +327,9 @@ def rewrite_metadata(src: Path, dst: Path, set_kv: dict[str, Any], *, drop_prefi
         bar.close()
 
 
-def read_keys(path: Path, prefix: str) -> dict[str, Any] | None:
-    """The keys of a GGUF under ``prefix``, without it (None when it has none)."""
-    from rotaryquant import gguf_io
-
-    r = gguf_io.open_reader(path)
-    out = {k[len(prefix):]: f.contents() for k, f in r.fields.items() if k.startswith(prefix)}
-    return out or None
-
-
 def read_calibration(path: Path) -> dict[str, Any] | None:
     """The rotaryquant.k_center.* keys of a GGUF (None when it has none)."""
-    return read_keys(path, PREFIX)
+    return gguf_keys.read_keys(path, PREFIX)
 
 
 def calibrate(model: str | Path, output: str | Path | None = None, *, text: str | Path | None = None,
@@ -369,8 +348,6 @@ def calibrate(model: str | Path, output: str | Path | None = None, *, text: str 
         raise ConvertError(f"cannot write {out}", fix="give a file name in an existing folder")
     check_model(model)
     if text is None:
-        from rotaryquant.data import calibration_text
-
         text = calibration_text()
     text = Path(text).expanduser()
     if not text.is_file():
@@ -384,7 +361,6 @@ def calibrate(model: str | Path, output: str | Path | None = None, *, text: str 
     if kv_bits is None:
         rewrite_metadata(model, out, cal.metadata(), progress=progress)
         return out, cal, None
-    from rotaryquant.converter import kvalloc
 
     if not kv_chunks or kv_chunks < 1:
         raise ConvertError(f"--kv-chunks {kv_chunks}: give at least 1", fix="e.g. --kv-chunks 2")

@@ -25,8 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from rotaryquant import kvtypes
+from rotaryquant import bindings, kvtypes
+from rotaryquant.bindings import context as _ctx
+from rotaryquant.bindings.accounting import kv_bits_per_value
+from rotaryquant.converter import gguf_keys
 from rotaryquant.converter.errors import ConvertError
+from rotaryquant.errors import PlanError
 
 PREFIX = "rotaryquant.kv_alloc."
 FORMAT_VERSION = 1
@@ -119,15 +123,13 @@ class _Runner:
         """use([len(toks) - first, n_vocab] float32 logits of positions first.. under the cache spec): a view
         into the context's buffer, valid only during the call (a 262K vocabulary makes a copy 0.5 GB)."""
         L = self.L
-        from rotaryquant.bindings import context as _ctx
-        from rotaryquant.bindings import type_from_name
 
         cp = L.llama_context_default_params()
         cp.n_ctx = cp.n_batch = len(toks)
         cp.n_ubatch = min(512, len(toks))
         cp.n_threads = cp.n_threads_batch = self.threads
         cp.swa_full = False  # as the tools run (llama_context_default_params says True)
-        cp.type_k, cp.type_v = (type_from_name(t) for t in kvtypes.split(spec))
+        cp.type_k, cp.type_v = (bindings.type_from_name(t) for t in kvtypes.split(spec))
         cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED
         layers = kvtypes.layer_types(spec)
         keep = layers.encode() if layers else None  # the struct holds the pointer: keep the bytes alive
@@ -173,17 +175,13 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
             log: Callable[[str], None] = print) -> Allocation:
     """Measure each layer's sensitivity on ``chunks`` x ``n_ctx`` tokens of the text and choose the layers to
     lower so that the cache meets ``target`` bits/value."""
-    from rotaryquant.converter.kcenter import _bar
-    from rotaryquant.plan.accounting import kv_bits_per_value
-    from rotaryquant.plan.errors import PlanError
-
     for s in (hi, lo):
         try:
-            kvtypes.validate(s)
+            bindings.validate_kv_spec(s)
         except Exception as e:  # noqa: BLE001 - the type name is the user's
             raise ConvertError(f"cache pair {s!r}: {e}", fix="give K/V type names, e.g. isoquant4_0/isoquant3_0") from None
-    import llama_cpp as L
-    import llama_cpp._logger as llog
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
+    import llama_cpp._logger as llog  # lazy: loads the patched libllama: needs the build
 
     level = llog.logger.level
     llog.set_verbose(False)  # llama.cpp's errors still print
@@ -213,7 +211,7 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
         run = _Runner(L, mp, threads or os.cpu_count() or 2)
         first = n_ctx // 2
         sums = dict.fromkeys(specs + ["chosen"], 0.0)
-        bar = _bar(chunks * (len(specs) + 2), progress, unit="run", desc="layer sensitivity")
+        bar = gguf_keys.bar(chunks * (len(specs) + 2), progress, unit="run", desc="layer sensitivity")
         refs = []
         for c in range(chunks):
             toks = bos + ids[c * step:(c + 1) * step]
@@ -243,6 +241,4 @@ def measure(model: Path, text: bytes, *, text_name: str, target: float, hi: str 
 
 def read_allocation(path: Path) -> dict[str, Any] | None:
     """The rotaryquant.kv_alloc.* keys of a GGUF (None when it has none)."""
-    from rotaryquant.converter.kcenter import read_keys
-
-    return read_keys(path, PREFIX)
+    return gguf_keys.read_keys(path, PREFIX)

@@ -16,6 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
+from rotaryquant import bindings
+from rotaryquant.bindings.ggml import quantize_itq3_s_xtx
+from rotaryquant.converter.dtypes import f32_to_bf16_bits
 from rotaryquant.converter.errors import ConvertError
 
 QT = GGMLQuantizationType
@@ -106,17 +109,11 @@ def file_type_for(weights_per_type: dict[QT, int]) -> LlamaFileType:
 # --- quantisation -----------------------------------------------------------------------------------
 
 def _bf16(x: np.ndarray) -> np.ndarray:
-    from rotaryquant.converter.dtypes import f32_to_bf16_bits
-
     return f32_to_bf16_bits(x).view(np.uint8)
 
 
 def _rows(x: np.ndarray, t: QT, imatrix: np.ndarray | None, xtx: np.ndarray | None = None) -> np.ndarray:
-    from rotaryquant import bindings
-
     if xtx is not None:
-        from rotaryquant.bindings.ggml import quantize_itq3_s_xtx
-
         return quantize_itq3_s_xtx(x, xtx)
     return bindings.quantize(x, int(t), imatrix)
 

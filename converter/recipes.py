@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
@@ -293,8 +294,6 @@ class Planner:
             by_role[d.role][type_name(d.qtype)] = by_role[d.role].get(type_name(d.qtype), 0) + 1
         total = sum(d.n for d in self.decisions)
         bits = 0.0
-        from gguf import GGML_QUANT_SIZES
-
         for d in self.decisions:
             blk, size = GGML_QUANT_SIZES[d.qtype]
             bits += d.n * size * 8 / blk

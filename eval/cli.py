@@ -16,11 +16,28 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from rotaryquant import assets, data, kvtypes, paths
+from rotaryquant import assets, bindings, data, paths
 from rotaryquant.errors import RQError, run_cli
-from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality, niah,
-                              report, roofline, serve, servertests, versus, weights, weightspeed)
+from rotaryquant.eval import (
+    ablation,
+    convertspeed,
+    decode,
+    gate,
+    isovariants,
+    kvbench,
+    kvmemory,
+    kvquality,
+    niah,
+    report,
+    roofline,
+    serve,
+    servertests,
+    versus,
+    weights,
+    weightspeed,
+)
 from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
+from rotaryquant.eval import versus_weights as vw
 
 RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
@@ -64,7 +81,7 @@ def _model(ns: argparse.Namespace, default: str) -> Path:
 
 def _types(spec: str) -> list[str]:
     """Comma-separated cache types; each is a type or K/V pair (q8_0/isoquant3_0)."""
-    return [kvtypes.validate(t) for t in _names(spec)]
+    return [bindings.validate_kv_spec(t) for t in _names(spec)]
 
 
 def cmd_bench(ns: argparse.Namespace) -> None:
@@ -209,8 +226,6 @@ def cmd_versus(ns: argparse.Namespace) -> None:
 
 
 def cmd_versus_weights(ns: argparse.Namespace) -> None:
-    from rotaryquant.eval import versus_weights as vw
-
     model = _model(ns, assets.CHAT_ISO_MODEL).resolve()
     blds = _builds(ns)
     variants = [vw.parse_variant(v, list(blds)) for v in ns.variant]
@@ -261,7 +276,7 @@ def cmd_serve(ns: argparse.Namespace) -> None:
 
 
 def cmd_soak(ns: argparse.Namespace) -> None:
-    res = serve.soak(_model(ns, assets.ISO_MODEL), cache=kvtypes.validate(ns.kv), minutes=ns.minutes,
+    res = serve.soak(_model(ns, assets.ISO_MODEL), cache=bindings.validate_kv_spec(ns.kv), minutes=ns.minutes,
                      clients=ns.clients, threads=ns.threads, mixed=ns.mixed, disconnect_every=ns.disconnect_every,
                      extra=ns.server_arg)
     ns.out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rotaryquant import paths
+from rotaryquant import assets, gguf_io, paths
+from rotaryquant.bindings.tools import binary
+from rotaryquant.converter.hf import inspect_folder
 from rotaryquant.errors import RQError
 
 UPSTREAM_FTYPE = {"rotaryquant": "Q4_K_M", "itq3": "ITQ3_S", "rotaryquant-itq3": "ITQ3_S", "q8_0": "Q8_0",
@@ -107,14 +109,10 @@ def run_measured(cmd: list[str], *, env: dict | None = None, nice: int = 0) -> S
 
 
 def _hf_weights(folder: Path) -> int:
-    from rotaryquant.converter.hf import inspect_folder
-
     return inspect_folder(folder, paths.llama_root()).n_weights
 
 
 def _quantize_bin() -> Path:
-    from rotaryquant.bindings.tools import binary
-
     return binary("llama-quantize")
 
 
@@ -153,8 +151,6 @@ def bench_hf(model: str, folder: Path, recipes: list[str], work: Path, nice: int
 
 
 def bench_gguf(model: str, gguf_path: Path, recipes: list[str], work: Path, nice: int = 0) -> list[Row]:
-    from rotaryquant import gguf_io
-
     n = int(sum(int(t.n_elements) for t in gguf_io.open_reader(gguf_path).tensors))
     quant = _quantize_bin()
     rows: list[Row] = []
@@ -170,8 +166,6 @@ def bench_gguf(model: str, gguf_path: Path, recipes: list[str], work: Path, nice
 
 def run(plan: Plan, work: Path, *, nice: int = 0) -> list[Row]:
     """Measure every (model, input, recipe) of ``plan``; scratch files go to ``work``."""
-    from rotaryquant import assets
-
     rows: list[Row] = []
     for m in plan.models:
         if m == "smollm2":
@@ -181,7 +175,7 @@ def run(plan: Plan, work: Path, *, nice: int = 0) -> list[Row]:
                 # built in a child: a fork inherits the parent's RSS high-water mark (Linux keeps
                 # it across exec), so the parent must stay small for the peak-RSS numbers
                 folder = work / "smollm2-hf"
-                subprocess.run([sys.executable, "-c", ("import sys; from rotaryquant.fixtures import "
+                subprocess.run([sys.executable, "-c", ("import sys; from rotaryquant.converter.hf_folders import "
                                 "smollm2_hf_folder as f; f(sys.argv[1], sys.argv[2], n_layers="
                                 f"{plan.layers!r})"), str(src), str(folder)], check=True)
                 rows += bench_hf(name, folder, plan.recipes, work, nice)

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from rotaryquant import kvtypes
+from rotaryquant import bindings, kvtypes
+from rotaryquant.bindings import accounting
 from rotaryquant.errors import RQError
 from rotaryquant.eval import logits
+from rotaryquant.eval import roofline as rl
 
 BASELINE = "f16"
 ROOFLINE_STEP0 = 64  # prompt tokens of the run whose f16 decode stands for the depth-0 step
@@ -83,7 +85,7 @@ def prefill_chunks(n: int, n_batch: int = N_BATCH) -> list[int]:
 
 def deferred_supported() -> bool:
     """Whether the installed llama_cpp has the per-context deferred-prefill setting (llama_context_params)."""
-    import llama_cpp
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     return any(f[0] == "kv_deferred" for f in llama_cpp.llama_context_params._fields_)
 
@@ -92,7 +94,7 @@ def deferred_supported() -> bool:
 
 def text_tokens(model: Path, text: Path, n_tokens: int) -> list[int]:
     """The first n_tokens tokens of the text (BOS first); DecodeError when the text is shorter."""
-    import llama_cpp
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     raw = text.read_text(errors="replace")
     if len(raw.encode()) < n_tokens - 1:  # a token is at least one byte
@@ -121,9 +123,7 @@ def run_once(model: Path, tokens: list[int], *, n: int, m: int, cache: str, defe
              threads: int = 2) -> dict:
     """Prefill tokens[:n], then decode tokens[n:n+m] one call each. Returns the M+1 rows of logits
     (float32, steps x vocab), wall-clock seconds of prefill and decode, and the RQ counters' change."""
-    import llama_cpp
-
-    from rotaryquant import bindings
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     if len(tokens) < n + m:
         raise DecodeError(f"{len(tokens)} tokens given for a prefill of {n} and {m} decoded tokens")
@@ -192,24 +192,21 @@ def run(model: Path, text: Path, *, cache_types: list[str], prefill: list[int], 
     if not deferred:
         raise DecodeError("no deferred setting given (off, on or both)")
     for spec in cache_types:
-        kvtypes.validate(spec)
+        bindings.validate_kv_spec(spec)
     if any(deferred) and any(c != BASELINE for c in cache_types) and not deferred_supported():
         raise DecodeError("deferred prefill is not in this build (llama_context_params has no kv_deferred)",
                           fix="re-run `make setup`, or use --deferred off")
-    from rotaryquant.plan.accounting import kv_bits_or_none
 
     prefill = sorted(set(prefill))
     if roofline and prefill[0] > ROOFLINE_STEP0:
         prefill = [ROOFLINE_STEP0, *prefill]  # the depth-0 step the roofline adds attention to
     toks = text_tokens(model, text, max(prefill) + tokens + 1)
     # per context: a recent window's F16 copies (+wN) are a share of it
-    bits_at = {n: kv_bits_or_none(model, [BASELINE, *cache_types], n + tokens, progress) for n in prefill}
+    bits_at = {n: accounting.kv_bits_or_none(model, [BASELINE, *cache_types], n + tokens, progress) for n in prefill}
     rows = []
     t_start = time.time()
     rates = []
     if roofline:
-        from rotaryquant.eval import roofline as rl
-
         progress(f"[rq-eval decode] triad bandwidth and F32 matrix-product rate, {threads} threads")
         rates.append(rl.machine_rates(threads))
     for n in prefill:
@@ -283,8 +280,6 @@ def with_roofline(rows: list[dict], costs: dict[tuple[str, int], tuple[int, floa
                   rate: float) -> None:
     """Each row's roofline t/s (rq-eval roofline's formula) and decode t/s over it. f16's decode after the shortest
     prefill is the depth-0 step; costs[(cache, prefill)] = (K/V bytes, attention FLOPs) of that row's step."""
-    from rotaryquant.eval import roofline as rl
-
     base = {r["prefill"]: r for r in rows if r["cache"] == BASELINE}
     if not base or not base[min(base)]["decode_tps"]:
         raise DecodeError("the roofline needs the f16 baseline's decode t/s at the shortest prefill")

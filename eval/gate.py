@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from rotaryquant import bindings, kvtypes
+
 
 @dataclass
 class Check:
@@ -52,9 +54,7 @@ def check_answer(item: dict, answer: str, spec: dict) -> Check:
 
 def run(model: Path, *, cache_type: str = "f16", unfused: bool = False, max_tokens: int | None = None,
         threads: int = 2, spec_path: Path | None = None, progress=print) -> dict:
-    import llama_cpp
-
-    from rotaryquant import bindings, kvtypes
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     spec = load_spec(spec_path)
     n = max_tokens or spec["max_tokens"]

@@ -15,10 +15,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
-from rotaryquant import gguf_io, machine
-from rotaryquant import kvtypes
+from rotaryquant import bindings, gguf_io, kvtypes, machine
 from rotaryquant.bindings import tools
+from rotaryquant.bindings.accounting import kv_bits_or_none
 from rotaryquant.errors import RQError
 
 # (label, cache type, unfused)
@@ -47,7 +46,7 @@ def config(spec: str) -> tuple[str, str, bool]:
     base = spec
     for suffix in (DEFERRED, UNFUSED, DEFERRED):
         base = base[: -len(suffix)] if base.endswith(suffix) else base
-    return spec, kvtypes.validate(base), UNFUSED in spec
+    return spec, bindings.validate_kv_spec(base), UNFUSED in spec
 
 
 class BenchError(RQError):
@@ -161,7 +160,6 @@ def bench(model: Path, *, configs=DEFAULT_CONFIGS, depths=(0, 2048, 8192), n_pro
     per_token = {c: shape.bytes_per_token(c) for _, c, _ in configs}
     mixed = [c for c in per_token if kvtypes.layer_types(c)]
     if mixed:  # per-layer types: llama.cpp's own accounting (bits per value x values per token)
-        from rotaryquant.plan.accounting import kv_bits_or_none
 
         values = sum(shape.n_embd_k_gqa) + sum(shape.n_embd_v_gqa)
         for c, b in kv_bits_or_none(model, mixed, 4096, progress).items():

@@ -15,9 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from rotaryquant import kvtypes
+from rotaryquant import bindings, data, kvtypes
 from rotaryquant.errors import RQError
 from rotaryquant.eval import kvbench
+from rotaryquant.eval.serve import proc_status_mib
 
 
 def eq12_bytes(model: Path, n_tokens: int) -> int:
@@ -27,11 +28,7 @@ def eq12_bytes(model: Path, n_tokens: int) -> int:
 
 
 def _child(model: str, cache: str, n_tokens: int, deferred: bool, threads: int) -> dict:
-    import llama_cpp
-
-    from rotaryquant import bindings
-    from rotaryquant import data
-    from rotaryquant.eval.serve import proc_status_mib
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     llama_cpp._logger.set_verbose(False)
     tk, tv = (bindings.type_from_name(t) for t in kvtypes.split(cache))

@@ -11,13 +11,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from rotaryquant.bindings.accounting import kv_bits_or_none
 from rotaryquant.eval import perplexity
 
 
 def run(model: Path, text: Path, *, kv_types: list[str], ctxs: list[int], chunks: int, unfused: bool = False,
         deferred: bool = False, threads: int = 2, progress=print) -> dict:
-    from rotaryquant.plan.accounting import kv_bits_or_none
-
     rows = []
     t0 = time.time()
     bits = kv_bits_or_none(model, ["f16", *kv_types], max(ctxs), progress)

@@ -13,6 +13,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from rotaryquant import kvtypes
+from rotaryquant.bindings import type_from_name
+from rotaryquant.bindings.accounting import kv_bits_or_none
 from rotaryquant.errors import RQError
 
 KEYS = ("blue lantern", "silver harbour", "green falcon", "amber gate", "copper bell", "quiet meadow",
@@ -72,11 +75,7 @@ def run(model: Path, haystack: Path, *, cache_types: list[str], ctxs: list[int],
     state. Seeds change the numbers and where in the text the haystack starts. deferred "also" / "only": each
     non-f16 cache (also / only) runs with deferred prefill (label "TYPE deferred"): the haystack and each question
     are computed with exact F16 attention and written to the compressed cache; the answer's tokens read it."""
-    import llama_cpp
-
-    from rotaryquant import kvtypes
-    from rotaryquant.bindings import type_from_name
-    from rotaryquant.plan.accounting import kv_bits_or_none
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     if not 1 <= n_needles <= len(KEYS):
         raise NiahError(f"{n_needles} needles asked for; give 1 to {len(KEYS)}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -109,8 +110,6 @@ def run(model: Path, text_file: Path, *, label: str, ctx: int = 512, chunks: int
         env: dict[str, str] | None = None, timeout: float = 7200) -> PplResult:
     """One llama-perplexity run. save_base writes the logits to kld_base; otherwise a given kld_base
     makes this a --kl-divergence run against it. deferred: deferred prefill (LLAMA_KV_DEFERRED=1)."""
-    import time
-
     cmd, run_env = command(model, text_file, ctx=ctx, chunks=chunks, cache_type=cache_type, unfused=unfused,
                            deferred=deferred, kld_base=kld_base, save_base=save_base, threads=threads, batch=batch,
                            extra=extra, env=env)

@@ -10,7 +10,25 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from rotaryquant import machine
+from rotaryquant.eval import (
+    ablation,
+    alternatives,
+    decode,
+    frontier,
+    kvbench,
+    kvmemory,
+    kvquality,
+    planverify,
+    roofline,
+    serve,
+    versus_weights,
+    weights,
+)
+from rotaryquant.eval import gate as gate_mod
+from rotaryquant.eval import niah as niah_mod
 
 CLAIMS = [
     # (source, claim, how we measure it, key into the measured values)
@@ -105,10 +123,10 @@ def _load(results: Path, name: str) -> dict | list | None:
 
 
 def _plot(path: Path, draw) -> str:
-    import matplotlib
+    import matplotlib  # lazy: optional (the eval extra), heavy; only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional (the eval extra), heavy; only the plots need it
 
     fig, ax = plt.subplots(figsize=(6.4, 3.8), dpi=110)
     draw(ax)
@@ -120,8 +138,6 @@ def _plot(path: Path, draw) -> str:
 
 
 def _kv_speed_section(kvb: dict, out: Path, measured: dict) -> list[str]:
-    from rotaryquant.eval import kvbench
-
     rows = kvb["rows"]
     labels = sorted({r["label"] for r in rows})
     depths = sorted({r["depth"] for r in rows})
@@ -136,8 +152,6 @@ def _kv_speed_section(kvb: dict, out: Path, measured: dict) -> list[str]:
         ax.legend(fontsize=8)
 
     def fused_bars(ax):
-        import numpy as np
-
         f = [next((r["tg_tps"] for r in rows if r["label"] == "isoquant3_0" and r["depth"] == d), 0) for d in depths]
         u = [next((r["tg_tps"] for r in rows if r["label"] == "isoquant3_0-unfused" and r["depth"] == d), 0) for d in depths]
         x = np.arange(len(depths))
@@ -169,8 +183,6 @@ def _kv_speed_section(kvb: dict, out: Path, measured: dict) -> list[str]:
 
 
 def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld-vs-ctx.png") -> list[str]:
-    from rotaryquant.eval import kvquality
-
     rows = kvq["rows"]
     labels = [lab for lab in dict.fromkeys(r["label"] for r in rows) if lab != "f16"]
 
@@ -203,8 +215,6 @@ def _kv_quality_section(kvq: dict, out: Path, measured: dict, png: str = "kv-kld
 
 def _frontier_section(results: Path) -> list[str]:
     """Bits/value vs KLD vs needles, per model that has rows recording bits_per_value (eval/frontier.py)."""
-    from rotaryquant.eval import frontier
-
     models = sorted({json.loads(f.read_text()).get("model") for f in results.glob("niah*.json")} - {None})
     out: list[str] = []
     for model in models:
@@ -219,21 +229,16 @@ def _frontier_section(results: Path) -> list[str]:
 def build(results: Path) -> Path:
     results.mkdir(parents=True, exist_ok=True)
     measured: dict[str, str] = {}
-    from rotaryquant.eval import alternatives
 
     body: list[str] = alternatives.report_section(results)
     for f in sorted(results.glob("versus-weights*.json")):
-        from rotaryquant.eval import versus_weights
-
         body += [versus_weights.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
     kvb = _load(results, "kv-bench")
     body += _kv_speed_section(kvb, results, measured) if kvb else ["## KV-cache speed", "", "_not run: `rq-eval bench`_", ""]
     for f in sorted(results.glob("kv-bench-*.json")):  # further speed runs (e.g. with/without K calibration)
-        from rotaryquant.eval import kvbench
 
         body += [kvbench.to_markdown(json.loads(f.read_text())).replace("# KV-cache benchmark", "## KV-cache speed"), ""]
     for f in sorted(results.glob("roofline*.json")):  # rq-eval roofline: decode t/s against the bandwidth limit
-        from rotaryquant.eval import roofline
 
         body += [roofline.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
         if f.with_suffix(".png").exists():
@@ -249,23 +254,17 @@ def build(results: Path) -> Path:
 
     decode_files = sorted(results.glob("decode*.json"))
     for f in decode_files:
-        from rotaryquant.eval import decode
-
         body += [decode.to_markdown(json.loads(f.read_text())), f"Source: [{f.name}]({f.name}).", ""]
     if not decode_files:
         body += ["## Decode-time KV quality", "", "_not run: `rq-eval decode`_", ""]
     # prefill runs against f16: rq-eval decode (full prompts, with rounds) or rq-eval bench (-p N at depth 0)
     for f in sorted(results.glob("prefill*.json")):
-        from rotaryquant.eval import decode, kvbench
-
         res = json.loads(f.read_text())
         md = (kvbench.to_markdown(res).replace("# KV-cache benchmark", "## Prefill speed") if "kv_shape" in res
               else decode.to_markdown(res, title="Prefill speed (and decode-time KV quality)"))
         body += [md, f"Source: [{f.name}]({f.name}).", ""]
 
     for f in sorted(results.glob("kv-memory*.json")):
-        from rotaryquant.eval import kvmemory
-
         mem = json.loads(f.read_text())
         body += [kvmemory.to_markdown(mem), ""]
         prev = measured.get("eq12", "")
@@ -291,8 +290,6 @@ def build(results: Path) -> Path:
 
     abl = _load(results, "ablation")
     if abl:
-        from rotaryquant.eval import ablation
-
         body += [ablation.to_markdown(abl), ""]
         measured["ablation"] = ablation.summary(abl)
     else:
@@ -301,8 +298,6 @@ def build(results: Path) -> Path:
     niah_files = sorted(results.glob("niah*.json"))
     by: dict[tuple[str, int], tuple[int, int]] = {}
     for nf in niah_files:
-        from rotaryquant.eval import niah as niah_mod
-
         niah = json.loads(nf.read_text())
         body += [niah_mod.to_markdown(niah), ""]
         for r in niah["rows"]:
@@ -316,8 +311,6 @@ def build(results: Path) -> Path:
 
     gate_files = sorted(results.glob("gate*.json"))
     for f in gate_files:
-        from rotaryquant.eval import gate as gate_mod
-
         gate = json.loads(f.read_text())
         body += [gate_mod.to_markdown(gate), ""]
         prev = measured.get("gate", "")
@@ -327,22 +320,17 @@ def build(results: Path) -> Path:
 
     sv = _load(results, "serve")
     if sv:
-        from rotaryquant.eval import serve
-
         body += [serve.to_markdown(sv), ""]
         measured["serve"] = "; ".join(f"{r['cache']}{' (deterministic)' if r.get('deterministic') else ''}: {r['failures']} failures, {r['empty']} empty, {r['mismatches']} differ "
                                       f"from alone, efficiency {r['parallel_efficiency']:.2f}" for r in sv)
     else:
         body += ["## llama-server under load", "", "_not run: `rq-eval serve`_", ""]
     for f in sorted(results.glob("serve-*.json")):  # further server runs (e.g. with deferred prefill)
-        from rotaryquant.eval import serve
 
         body += [serve.to_markdown(json.loads(f.read_text())), ""]
 
     pv = _load(results, "plan-verify")
     if pv:
-        from rotaryquant.eval import planverify
-
         body += [planverify.to_markdown(pv), ""]
     else:
         body += ["## Memory plan vs measured", "", "_not run: `rq-plan --verify`_", ""]
@@ -350,8 +338,6 @@ def build(results: Path) -> Path:
     wfiles = [*sorted(results.glob("weights-tensor*.json")), *sorted(results.glob("weights-ftype*.json"))]
     gaps = []
     for f in wfiles:
-        from rotaryquant.eval import weights
-
         w = json.loads(f.read_text())
         mode = "tensor" if f.stem.startswith("weights-tensor") else "ftype"
         title = "llama-quantize types" if mode == "ftype" else "one tensor role per type, Q8_0 elsewhere"

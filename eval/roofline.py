@@ -47,6 +47,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
+from rotaryquant import gguf_io, machine
+from rotaryquant.bindings import ggml as _g
+from rotaryquant.bindings.accounting import NoAllocModel
+from rotaryquant.errors import PlanError
+from rotaryquant.eval import kvbench
+
 MIB = 1 << 20
 TRIAD_MIB = 128
 
@@ -57,8 +65,6 @@ class _InitParams(ctypes.Structure):
 
 def _libs() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """ggml-base and ggml-cpu with the prototypes of the calls below (a graph of one op, computed in a context)."""
-    from rotaryquant.bindings import ggml as _g
-
     base = _g._ggml()
     cpu = ctypes.CDLL(str(_g.lib_dir() / "libggml-cpu.so"))
     vp, i64 = ctypes.c_void_p, ctypes.c_int64
@@ -107,8 +113,6 @@ def triad_bandwidth(threads: int, mib: int = TRIAD_MIB, reps: int = 7) -> float:
 
 def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
     """FLOP/s of an n x n x n F32 ggml_mul_mat with ggml-cpu and ``threads`` threads (best of reps; 2 n^3 FLOPs)."""
-    import numpy as np
-
     base, cpu = _libs()
     ctx = base.ggml_init(_InitParams(3 * n * n * 4 + 64 * MIB, None, False))
     if not ctx:
@@ -138,8 +142,6 @@ def f32_rate(threads: int, n: int = 512, reps: int = 7) -> float:
 def attention_flops(gguf: Path, kv_f16_bytes: int) -> float:
     """FLOPs of a decode step's attention: 2 per K value and 2 per V value attended, once per query head sharing
     them (kv_f16_bytes: the step's K/V in an f16 cache, 2 bytes a value)."""
-    from rotaryquant import gguf_io
-
     h = gguf_io.read_header(gguf)
     n_head, n_head_kv = h.get("attention.head_count"), h.get("attention.head_count_kv")
     if isinstance(n_head, list) or isinstance(n_head_kv, list) or not n_head:
@@ -150,8 +152,6 @@ def attention_flops(gguf: Path, kv_f16_bytes: int) -> float:
 def weight_bytes(gguf: Path) -> int:
     """Bytes of weights one decode step reads: every tensor, but one row of the token embeddings when a separate
     output matrix exists (with a tied output the whole table is read as the output)."""
-    from rotaryquant import gguf_io
-
     tensors = {t.name: t for t in gguf_io.read_header(gguf).tensors}
     total = sum(t.nbytes for t in tensors.values())
     emb = tensors.get("token_embd.weight")
@@ -176,9 +176,6 @@ class Bound:
 
 def kv_bytes(gguf: Path, specs: list[str], depths: list[int], n_gen: int = 32) -> dict[tuple[str, int], int]:
     """K+V bytes each decode step attends at each depth (the llama-bench context of depth + n_gen cells)."""
-    from rotaryquant.plan.accounting import NoAllocModel
-    from rotaryquant.plan.errors import PlanError
-
     out = {}
     with NoAllocModel(gguf) as m:
         for spec in specs:
@@ -227,9 +224,6 @@ def run(model: Path, *, configs: list[tuple[str, str, bool]], depths: list[int],
     """Bandwidth (before and after), then llama-bench decode in interleaved rounds (rq-eval bench's runner), then
     each row's predicted t/s from the mean bandwidth and its measured/predicted ratio, and its cache limit (the
     measured f16 step at depth 0 plus the K/V at bandwidth; depth 0 is added to the runs when missing)."""
-    from rotaryquant import machine
-    from rotaryquant.eval import kvbench
-
     t0 = time.time()
     progress(f"[rq-eval roofline] triad bandwidth and F32 matrix-product rate, {threads} threads")
     bw0, fr0 = machine_rates(threads)
@@ -301,10 +295,10 @@ def to_markdown(res: dict) -> str:
 
 def plot(res: dict, out: Path) -> Path:
     """t/s against depth per cache: measured (points, lines) and the predicted limit (dashed, same colour)."""
-    import matplotlib
+    import matplotlib  # lazy: optional (the eval extra), heavy; only the plots need it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: optional (the eval extra), heavy; only the plots need it
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     labels = list(dict.fromkeys(r["label"] for r in res["rows"]))

@@ -9,6 +9,7 @@ bounded in requests and time; the server is stopped at the end.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -354,8 +355,6 @@ def stream_and_drop(base: str, prompt: str, events: int, *, n_predict: int = 96,
                     timeout: float = 60) -> None:
     """A streaming completion whose client reads ``events`` server-sent events and then closes its socket; with
     ``in_prompt``, it leaves while the server processes the prompt (meant for the only request in flight)."""
-    import http.client
-
     host, port = base.split("//")[1].split(":")
     c = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:

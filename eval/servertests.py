@@ -33,6 +33,7 @@ from pathlib import Path
 
 from rotaryquant import assets, paths
 from rotaryquant.bindings import tools
+from rotaryquant.converter import kcenter
 from rotaryquant.errors import RQError
 
 ISO = {"LLAMA_ARG_FLASH_ATTN": "on", "LLAMA_ARG_CACHE_TYPE_K": "isoquant3_0", "LLAMA_ARG_CACHE_TYPE_V": "isoquant3_0"}
@@ -110,7 +111,6 @@ def calibrated(model: Path, *, n_tokens: int = 4096, threads: int | None = None)
     out = WORK / "models" / (model.name.removesuffix(".gguf") + ".kc.gguf")
     if out.is_file() and out.stat().st_mtime >= model.stat().st_mtime:
         return out
-    from rotaryquant.converter import kcenter
 
     out.parent.mkdir(parents=True, exist_ok=True)
     kcenter.calibrate(model, out, n_tokens=n_tokens, threads=threads, progress=False)

@@ -23,6 +23,7 @@ upgraded, heads padded) are kept beside each row.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import statistics
@@ -35,9 +36,13 @@ from pathlib import Path
 
 import numpy as np
 
+from rotaryquant import paths
 from rotaryquant.errors import RQError
 from rotaryquant.eval import builds as B
+from rotaryquant.eval import decode as dec
+from rotaryquant.eval import niah as nh
 from rotaryquant.eval import perplexity
+from rotaryquant.gguf_io import read_header
 
 BASE = "f16"
 MEASURES = ("kld", "decode", "ttft", "niah")
@@ -124,8 +129,6 @@ class KvShape:
 
 
 def kv_shape(model: Path) -> KvShape:
-    from rotaryquant.gguf_io import read_header
-
     h = read_header(model)
 
     def one(key: str, default: int | None = None) -> int:
@@ -190,8 +193,6 @@ def _run(cmd: list[str], timeout: float | None = None, env: dict[str, str] | Non
 
 def _scratch() -> Path:
     """The programs' working folder: some builds' tools write files there (ik_llama.cpp's llama.log)."""
-    from rotaryquant import paths
-
     d = paths.build_dir() / "versus-scratch"
     d.mkdir(parents=True, exist_ok=True)
     return d
@@ -214,8 +215,6 @@ def _cmdline(cfg: Config, cmd: list[str]) -> str:
 
 
 def _json_line(out: str) -> dict:
-    import json
-
     for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             return json.loads(line)
@@ -284,8 +283,6 @@ def _tokens_file(path: Path, toks: Sequence[int]) -> Path:
 def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prefill: int,
            steps: int = 64, rounds: int = 1, threads: int = 2, progress: Progress = print) -> list[dict]:
     """Prefill `prefill` tokens, teacher-force `steps`: per-step KLD against the build's F16, speeds in rounds."""
-    from rotaryquant.eval import decode as dec
-
     if rounds < 1 or steps < 1 or prefill < 2:
         raise VersusError("decode needs a prefill of at least 2 tokens, at least 1 step and 1 round")
     toks = dec.text_tokens(model, text, prefill + steps + 1)
@@ -357,8 +354,6 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
          rounds: int = 3, threads: int = 2, progress: Progress = print) -> list[dict]:
     """Seconds from process start to the first token's logits for a `prompt`-token prompt, median of rounds: a first
     start (nothing kept), and where the build keeps K statistics the next start from what the first kept."""
-    from rotaryquant.eval import decode as dec
-
     toks = dec.text_tokens(model, text, prompt)
     order = with_baselines(configs)
     times: dict[Config, list[dict]] = {c: [] for c in order}
@@ -414,9 +409,7 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
          answer: int = 12, progress: Progress = print) -> list[dict]:
     """Multi-key needles (rotaryquant.eval.niah's haystacks and questions) through each build's rq-probe. No F16
     baseline is added: give the configurations to compare, f16 among them if wanted."""
-    import llama_cpp
-
-    from rotaryquant.eval import niah as nh
+    import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     text = haystack.read_text(errors="replace")
     voc = llama_cpp.Llama(model_path=str(model), vocab_only=True, n_ctx=16, verbose=False)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from rotaryquant.converter.recipes import RECIPES
 from rotaryquant.eval import builds as B
 from rotaryquant.eval import perplexity, weights, weightspeed
 from rotaryquant.eval.versus import VersusError, _failure, _run, split_spec
@@ -45,8 +46,6 @@ def parse_variant(spec: str, names: Sequence[str]) -> WVariant:
 
 
 def _recipes() -> set[str]:
-    from rotaryquant.converter.recipes import RECIPES
-
     return set(RECIPES)
 
 

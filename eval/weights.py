@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rotaryquant import gguf_io
 from rotaryquant.bindings import tools
 from rotaryquant.errors import RQError
 from rotaryquant.eval import perplexity
@@ -215,8 +216,6 @@ def _file_label(label: str) -> str:
 
 def tensor_types(model: Path) -> dict[str, int]:
     """Weights per tensor type in a GGUF (what a ftype mixture really holds)."""
-    from rotaryquant import gguf_io
-
     out: dict[str, int] = {}
     for t in gguf_io.open_reader(model).tensors:
         n = 1
@@ -227,8 +226,6 @@ def tensor_types(model: Path) -> dict[str, int]:
 
 
 def _n_params(model: Path) -> int:
-    from rotaryquant import gguf_io
-
     r = gguf_io.open_reader(model)
     n = 0
     for t in r.tensors:

@@ -17,10 +17,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from rotaryquant import gguf_io, machine
 from rotaryquant.bindings import tools
 from rotaryquant.errors import RQError
+from rotaryquant.gguf_io import read_header
 
 
 class WeightSpeedError(RQError):
@@ -40,8 +40,6 @@ def file_info(path: Path, foreign: bool = False) -> FileInfo:
     """What a GGUF holds: its tensor types by parameter count and its bits per weight. ``foreign``: a file of another
     build (its type ids may mean other types here): types by id, bytes from the data offsets."""
     if foreign:
-        from rotaryquant.gguf_io import read_header
-
         h = read_header(path, foreign=True)
         by_id: dict[str, int] = {}
         for t in h.tensors:

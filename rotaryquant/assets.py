@@ -9,6 +9,7 @@ Stdlib only: set-up runs this before the virtual environment has anything in it.
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tarfile
@@ -216,8 +217,6 @@ def ensure_default_assets(python: str = sys.executable) -> None:
 
 
 def _main(argv: list[str] | None) -> None:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python3 -m rotaryquant.assets",
                                  description="fetch the default models/text into the cache")
     ap.add_argument("what", nargs="*", default=["all"], help=f"all, text, or: {', '.join(MODELS)}")

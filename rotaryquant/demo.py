@@ -20,13 +20,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rotaryquant import assets, paths
+from rotaryquant import assets, bindings, paths
+from rotaryquant.bindings import tools
+from rotaryquant.bindings.accounting import captured_log, errors, memory
+from rotaryquant.converter import kcenter
+from rotaryquant.converter.convert import Options, convert
+from rotaryquant.converter.hf_folders import smollm2_hf_folder
+from rotaryquant.converter.imatrix import subset_imatrix
+from rotaryquant.converter.qtypes import QT
+from rotaryquant.data import calibration_text
 from rotaryquant.errors import RQError, run_cli
+from rotaryquant.eval.weights import make_imatrix
 
 PROMPT = "The three most important inventions of the nineteenth century were"
 REPORT = "docs/results/REPORT.md"
@@ -56,10 +66,7 @@ def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = 
     quantised K cache) and recent window (``window``: None for the default). The KV size counts the cache's own
     buffers too (K centring, the window's F16 rows). llama.cpp's log is kept off the terminal; its error lines say
     why when something fails."""
-    import llama_cpp as L
-
-    from rotaryquant import bindings
-    from rotaryquant.plan.accounting import captured_log, errors, memory
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
     with captured_log() as log:
         model_p = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
@@ -91,8 +98,6 @@ def complete(model: Path, prompt: str, n_predict: int, threads: int, ctk: str = 
 def _greedy(L: Any, ctx: Any, vocab: Any, prompt: str, n_predict: int, log: list[str]) -> str:
     """The prompt in one batch, then ``n_predict`` tokens one at a time, each the most likely (llama-completion
     --temp 0); stops early at an end-of-generation token. Returns the continuation's text."""
-    from rotaryquant.plan.accounting import errors
-
     data = prompt.encode()
     toks = (L.llama_token * (len(data) + 8))()
     n = L.llama_tokenize(vocab, data, len(data), toks, len(toks), True, True)
@@ -146,8 +151,6 @@ def show(prompt: str, runs: list[Run]) -> None:
 
 
 def wrap(text: str) -> list[str]:
-    import textwrap
-
     out: list[str] = []
     for para in text.splitlines() or [""]:
         out.extend(textwrap.wrap(para, WIDTH - 6) or [""])
@@ -157,10 +160,6 @@ def wrap(text: str) -> list[str]:
 
 
 def weights_demo(prompt: str, threads: int, n_predict: int) -> None:
-    from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.converter.qtypes import QT
-    from rotaryquant.fixtures import smollm2_hf_folder
-
     print("\n[1/2] Weights: SmolLM2-135M-Instruct, F16 vs rq-convert recipes vs IQ3_S + imatrix on the same tensors")
     work = paths.cache_dir() / "demo"
     hf = work / "SmolLM2-135M-Instruct-hf"
@@ -200,12 +199,6 @@ def _weights_run(out: Path, label: str, n_weights: int, prompt: str, n_predict: 
 def _iq3s_run(hf: Path, work: Path, itq3: list[str], prompt: str, n_predict: int, threads: int) -> Run:
     """The ITQ3_S file's plan with its ITQ3_S tensors in IQ3_S, quantised with llama-imatrix's importance
     matrix (the same packaged text, 8 x 512 tokens) restricted to those tensors: only the type differs."""
-    from rotaryquant.bindings import tools
-    from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.converter.imatrix import subset_imatrix
-    from rotaryquant.data import calibration_text
-    from rotaryquant.eval.weights import make_imatrix
-
     f16 = work / "SmolLM2-135M-f16.gguf"
     full = work / "SmolLM2-135M-f16.imatrix.gguf"
     if not full.exists():
@@ -250,8 +243,6 @@ def _verdict(runs: list[Run], n_tensors: int) -> str:
 
 
 def kv_demo(model: Path | None, prompt: str, threads: int, n_predict: int) -> None:
-    from rotaryquant.converter import kcenter
-
     name = model.name if model else "Gemma3-270M"
     print(f"\n[2/2] KV cache: {name}, F16 vs compressed (1024-token context)")
     if model is None:
@@ -260,7 +251,6 @@ def kv_demo(model: Path | None, prompt: str, threads: int, n_predict: int) -> No
         if not model.exists():
             print(f"  rq-calibrate {src.name} -o {model.name}  (K centring statistics, once; about a minute)")
             model.parent.mkdir(parents=True, exist_ok=True)
-            from rotaryquant.plan.accounting import captured_log, errors
 
             with captured_log() as log:   # llama.cpp's load chatter off the terminal; its errors said if it fails
                 try:

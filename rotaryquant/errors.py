@@ -39,6 +39,11 @@ class UsageError(RQError):
     """Options that cannot go together, found after argparse: exit 2, as argparse's own usage errors."""
 
 
+class PlanError(RQError):
+    """A memory plan that cannot be made (rq-plan), or llama.cpp's own accounting under it refusing a model or a
+    cache type (``rotaryquant.bindings.accounting``)."""
+
+
 class MissingBuildError(RQError):
     """A library, program or module of the patched llama.cpp build is not there (or is not ours)."""
 

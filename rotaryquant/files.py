@@ -7,6 +7,7 @@ environment exists.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 
@@ -22,8 +23,6 @@ def sha256(path: Path) -> str:
 def publish(tmp: str | Path, dst: str | Path) -> None:
     """Renames a finished temp file onto ``dst`` with the mode a new file gets (0666 less the umask):
     mkstemp makes its files 0600, which a plain rename would hand on to the user's output."""
-    import os
-
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(tmp, 0o666 & ~mask)

@@ -32,6 +32,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from rotaryquant.errors import RQError
 from rotaryquant.files import publish
 
@@ -50,10 +52,15 @@ class GGUFError(RQError):
 
 
 def tensor_bytes(qtype: int, ne: Sequence[int]) -> int:
-    """Bytes of a tensor of ggml type ``qtype`` and shape ``ne`` (ggml's own row size)."""
-    from rotaryquant.bindings import row_size
+    """Bytes of a tensor of ggml type ``qtype`` and shape ``ne``: ggml's row size, from gguf-py's table of block
+    and type sizes (the patched copy's, which has our types; GGUFReader sizes tensors by it too)."""
+    # lazy: gguf is set-up's install from the tree, and 0.1 s of import that most commands' --help does not need
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    return row_size(qtype, ne[0]) * math.prod(ne[1:])
+    blck, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+    if ne[0] % blck:
+        raise ValueError(f"rows of {ne[0]} values are not whole blocks of {blck} (ggml type {qtype})")
+    return ne[0] // blck * size * math.prod(ne[1:])
 
 
 @dataclass
@@ -301,6 +308,7 @@ def add_sparse_data(path: Path, writer: Any) -> None:
 def open_reader(path: str | Path, *, fix: str = "re-download it, or check it was written by a llama.cpp "
                                                   "of this tree") -> Any:
     """gguf.GGUFReader of ``path``; a GGUFError that names the file when gguf-py cannot read it."""
+    # lazy: gguf is set-up's install from the tree, 0.1 s of import most commands' --help skip
     from gguf import GGUFReader
 
     try:
@@ -311,6 +319,7 @@ def open_reader(path: str | Path, *, fix: str = "re-download it, or check it was
 
 @lru_cache(maxsize=1)
 def _packer() -> Any:
+    # lazy: gguf is set-up's install from the tree, 0.1 s of import most commands' --help skip
     from gguf import GGUFWriter
 
     return GGUFWriter(path=None, arch="")
@@ -322,7 +331,7 @@ def encode_kv(key: str, value: Any) -> bytes:
     str -> STRING, bool -> BOOL, int -> UINT32, float -> FLOAT32, a float32 or int32 numpy array ->
     ARRAY of that type (gguf-py refuses empty arrays).
     """
-    import numpy as np
+    # lazy: gguf is set-up's install from the tree, 0.1 s of import most commands' --help skip
     from gguf import GGUFValueType as VT
 
     w = _packer()

@@ -11,12 +11,12 @@ kept exact (llama.cpp's --kv-window), e.g. "isoquant3_0+w16+calib"."""
 from __future__ import annotations
 
 import re
-
-from rotaryquant.bindings.ggml import ISO_TYPES  # the IsoQuant KV types
+from collections.abc import Iterator
 
 CALIB = "+calib"
 SELF = "+self"
 MODEL = "model"  # per-layer types: the model's stored allocation (rq-calibrate --kv-bits)
+ISO_TYPES = ("isoquant3_0", "isoquant4_0", "isoquant3_64", "isoquant4_64")  # the IsoQuant KV types (ggml's names)
 
 
 _WINDOW = re.compile(r"\+w(\d+)")
@@ -85,17 +85,14 @@ def layer_types(spec: str) -> str | None:
     return layers.replace(";", ",") if layers else None
 
 
-def validate(spec: str) -> str:
-    from rotaryquant.bindings import type_from_name
-
-    for t in split(spec):
-        type_from_name(t)
+def type_names(spec: str) -> Iterator[str]:
+    """Every ggml type name a spec uses: K and V, then those of the per-layer items (a malformed item raises
+    ValueError when it is reached). Checked against the library by ``rotaryquant.bindings.validate_kv_spec``."""
+    yield from split(spec)
     for _, types in _layer_items(spec):
         for t in types.split("/"):
-            type_from_name(t.strip())
-    return spec
+            yield t.strip()
 
 
 def uses_iso(spec: str) -> bool:
-    names = [*split(spec), *(t for _, types in _layer_items(spec) for t in types.split("/"))]
-    return any(t.strip() in ISO_TYPES for t in names)
+    return any(t in ISO_TYPES for t in list(type_names(spec)))

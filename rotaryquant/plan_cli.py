@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from rotaryquant import plan as P
+from rotaryquant import plan_verify
 from rotaryquant.errors import UsageError, run_cli
 
 
@@ -53,9 +54,7 @@ def _main(argv: list[str] | None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.verify:
-        from rotaryquant.eval import planverify
-
-        return planverify.main_verify(args)
+        return plan_verify.main_verify(args)
     if len(args.model) != 1 or not args.budget or not args.ctx:
         ap.print_usage(sys.stderr)
         raise UsageError("give one MODEL, --budget and --ctx (e.g. rq-plan model.gguf --budget 16G --ctx 32768)")

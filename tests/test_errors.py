@@ -142,12 +142,12 @@ def test_every_project_error_is_an_rqerror():
     from rotaryquant.bindings import RQTypeError
     from rotaryquant.build.common import SetupError
     from rotaryquant.converter.errors import ConvertError
-    from rotaryquant.eval import (convertspeed, decode, kvbench, niah, perplexity, planverify, serve, weights,
-                                  weightspeed)
+    from rotaryquant import plan_verify
+    from rotaryquant.eval import convertspeed, decode, kvbench, niah, perplexity, serve, weights, weightspeed
 
     for cls in (ConvertError, assets.AssetError, SetupError, RQTypeError, convertspeed.ConvertSpeedError,
                 decode.DecodeError, kvbench.BenchError, niah.NiahError, perplexity.PerplexityError,
-                planverify.VerifyError, serve.ServeError, weights.WeightsBenchError, weightspeed.WeightSpeedError):
+                plan_verify.VerifyError, serve.ServeError, weights.WeightsBenchError, weightspeed.WeightSpeedError):
         assert issubclass(cls, RQError), cls
     assert issubclass(RQTypeError, ValueError)  # callers that parse type names catch ValueError
 

@@ -33,22 +33,45 @@ measured on this model shows "unknown" and the measurements on other models as e
 
 The package, by job: ``facts`` (the model: GGUF header through :mod:`rotaryquant.gguf_io`, HF folders),
 ``models`` (the models our tables were measured on), ``results`` (the docs/results tables), ``weights``
-(recipes and the types they give), ``accounting`` (llama.cpp's dry runs), ``costing`` (bytes and ranking),
-``planner`` (make_plan), ``commands`` (the winner's command lines) and ``render`` (text and JSON).
+(recipes and the types they give), ``costing`` (bytes, ranking and the Plan), ``planner`` (make_plan),
+``commands`` (the winner's command lines) and ``render`` (text and JSON). llama.cpp's dry runs are the bindings'
+(:mod:`rotaryquant.bindings.accounting`); ``rq-plan --verify`` is :mod:`rotaryquant.plan_verify`.
 """
 
 from __future__ import annotations
 
+from rotaryquant.bindings.accounting import N_BATCH, N_UBATCH, ContextCost, DryRun, NoAllocModel, dry_run
+from rotaryquant.errors import PlanError
 from rotaryquant.gguf_io import TensorInfo, tensor_bytes
-from rotaryquant.plan.accounting import N_BATCH, N_UBATCH, ContextCost, DryRun, NoAllocModel, dry_run
 from rotaryquant.plan.commands import expert_rule
-from rotaryquant.plan.costing import BASE, BASE_PER_TOKEN, EXPERTS, PAGE, Candidate, base_bytes, cpu_costs, \
-    deferred_transient, gpu_costs, kv_bits, sort, transient_bytes
-from rotaryquant.plan.errors import MiB, PlanError, mib, parse_size
-from rotaryquant.plan.facts import Header, calib_possible, head_widths, hf_header, layer_dims, read_header, \
-    resolve, write_skeleton
+from rotaryquant.plan.costing import (
+    BASE,
+    BASE_PER_TOKEN,
+    EXPERTS,
+    PAGE,
+    Candidate,
+    Plan,
+    base_bytes,
+    cpu_costs,
+    deferred_transient,
+    gpu_costs,
+    kv_bits,
+    sort,
+    transient_bytes,
+)
+from rotaryquant.plan.errors import MiB, mib, parse_size
+from rotaryquant.plan.facts import (
+    Header,
+    calib_possible,
+    head_widths,
+    hf_header,
+    layer_dims,
+    read_header,
+    resolve,
+    write_skeleton,
+)
 from rotaryquant.plan.models import KNOWN_MODELS, KnownModel, identify
-from rotaryquant.plan.planner import KV_DEFAULT, KV_SPECS, RECIPES, NoFit, Plan, make_plan
+from rotaryquant.plan.planner import KV_DEFAULT, KV_SPECS, RECIPES, NoFit, make_plan
 from rotaryquant.plan.render import render, to_json
 from rotaryquant.plan.results import RESULTS, Measurement, Quality, kv_quality, load_measurements
 from rotaryquant.plan.weights import Weights, recipe_types, role_bytes, weights_options

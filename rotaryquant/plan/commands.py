@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from rotaryquant.plan.costing import EXPERTS
+from rotaryquant import kvtypes
+from rotaryquant.bindings import tools
+from rotaryquant.plan.costing import EXPERTS, Plan
 from rotaryquant.plan.errors import mib
 from rotaryquant.plan.facts import Header
 
-if TYPE_CHECKING:
-    from rotaryquant.plan.planner import Plan
-
 
 def _bin(name: str) -> str:
-    from rotaryquant.bindings import tools
-
     p = tools.bin_dir() / name
     try:
         return os.path.relpath(p) if len(os.path.relpath(p)) < len(str(p)) else str(p)
@@ -26,8 +23,6 @@ def _bin(name: str) -> str:
 
 
 def _q(p: str | Path) -> str:
-    import shlex
-
     return shlex.quote(str(p))
 
 
@@ -39,8 +34,6 @@ def expert_rule(layers: Sequence[int]) -> str:
 
 def commands(plan: Plan, h: Header) -> None:
     """Fill ``plan.commands`` and ``plan.advice`` for its winner."""
-    from rotaryquant import kvtypes
-
     c = plan.winner
     assert c is not None
     src = Path(plan.model)
@@ -97,7 +90,7 @@ def commands(plan: Plan, h: Header) -> None:
                    "has run it (--fit off keeps llama-server from moving layers on its own); add --cache-ram N "
                    "(MiB of host RAM for finished prompts, default 8192) to bound the prompt cache")
     if plan.deferred:
-        import llama_cpp
+        import llama_cpp  # lazy: loads the patched libllama: needs the build
 
         has = any(f[0] == "kv_deferred" for f in llama_cpp.llama_context_params._fields_)
         adv.append(f"deferred prefill: the F16 transient ({mib(b.get('transient', 0)):.0f} MiB, eq. 12 with "

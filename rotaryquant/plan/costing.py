@@ -1,14 +1,15 @@
-"""What a candidate costs: llama.cpp's buffers (:mod:`.accounting`) laid over the file's layout, the
-deferred-prefill transient, the server's own memory; and the ranking of candidates."""
+"""What a candidate costs: llama.cpp's buffers (:mod:`rotaryquant.bindings.accounting`) laid over the file's
+layout, the deferred-prefill transient, the server's own memory; the ranking of candidates, and the plan that
+holds them."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
-from rotaryquant import gguf_io
-from rotaryquant.plan.accounting import ContextCost, DryRun
-from rotaryquant.plan.errors import MiB
+from rotaryquant import bindings, gguf_io, kvtypes
+from rotaryquant.bindings.accounting import ContextCost, DryRun
+from rotaryquant.plan.errors import MiB, mib
 from rotaryquant.plan.facts import Header, layer_dims
 from rotaryquant.plan.results import Quality
 from rotaryquant.plan.weights import Weights
@@ -59,8 +60,6 @@ class Candidate:
 
 def kv_bits(spec: str, head: tuple[int, int] = (128, 128)) -> float:
     """Bits per cached value of a K/V spec, for heads of (K, V) width ``head``."""
-    from rotaryquant import bindings, kvtypes
-
     def bits(t: str, d: int) -> float:
         t = _ISO64.get(t, t) if d == 64 else t
         n = 64 if d == 64 else 128
@@ -80,8 +79,6 @@ def transient_bytes(f16: ContextCost | None, spec: str) -> int:
     """The deferred-prefill transient for a prompt that fills the context: F16 K (if K is quantised) and F16 V
     (if V is) of every cache cell, i.e. eq. 12 with llama.cpp's own per-cache sizes (an SWA layer's cache
     holds its window, not the context). ``f16``: llama.cpp's accounting of an F16 cache of this context."""
-    from rotaryquant import kvtypes
-
     if f16 is None:
         return 0
     k, v = kvtypes.split(spec)
@@ -162,3 +159,34 @@ def sort(cands: list[Candidate]) -> list[Candidate]:
     for i, c in enumerate(out, 1):
         c.rank = i
     return out
+
+
+@dataclass
+class Plan:
+    model: str
+    source_kind: str                 # "gguf" | "hf"
+    arch: str
+    n_params: int
+    known: str | None                # the measured model this file is, if any
+    same_weights: bool
+    budget: int
+    ctx: int
+    parallel: int
+    device: str
+    deferred: bool
+    candidates: list[Candidate]
+    commands: list[str] = field(default_factory=list)
+    advice: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def winner(self) -> Candidate | None:
+        return next((c for c in self.candidates if c.fits and not c.error), None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["winner"] = asdict(self.winner) if self.winner else None
+        for c in d["candidates"] + ([d["winner"]] if d["winner"] else []):
+            c["peak_mib"] = round(mib(c["peak"]), 1)
+        return d

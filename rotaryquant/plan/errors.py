@@ -1,17 +1,13 @@
-"""rq-plan's error, and the sizes it reads and prints."""
+"""rq-plan's error (``rotaryquant.errors.PlanError``: llama.cpp's accounting below the planner raises it too), and
+the sizes rq-plan reads and prints."""
 
 from __future__ import annotations
 
 import re
 
-from rotaryquant.errors import RQError
+from rotaryquant.errors import PlanError
 
 MiB = 1 << 20
-
-
-class PlanError(RQError):
-    """A plan that cannot be made. ``str(e)`` is one line for the user: what is wrong and the fix."""
-
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": MiB, "mib": MiB, "mb": 10**6,
           "g": 1 << 30, "gib": 1 << 30, "gb": 10**9, "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}

@@ -8,9 +8,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
+
 from rotaryquant import gguf_io, paths
+from rotaryquant.converter import hf, kcenter
+from rotaryquant.converter.errors import ConvertError
+from rotaryquant.converter.writer import StreamingWriter
+from rotaryquant.errors import PlanError
 from rotaryquant.gguf_io import tensor_bytes
-from rotaryquant.plan.errors import PlanError
 
 FLOAT_TYPES = (0, 1, 30)  # f32, f16, bf16
 INT_TYPES = (24, 25, 26, 27)  # i8, i16, i32, i64
@@ -75,8 +81,6 @@ def layer_dims(h: Header) -> list[tuple[int, int]]:
 
 def calib_possible(h: Header) -> str:
     """'' when rq-calibrate can calibrate this architecture, else why not."""
-    from rotaryquant.converter import kcenter
-
     if h.arch in kcenter._REFUSED_ARCHS:
         return f"{h.arch} uses {kcenter._REFUSED_ARCHS[h.arch]}"
     if kcenter.k_cache_unhooked(h.arch, h.get):  # MLA, or an arch the library lists
@@ -92,9 +96,6 @@ def calib_possible(h: Header) -> str:
 
 def resolve(model: str | Path) -> tuple[str, Path]:
     """('gguf', file) or ('hf', folder) for a GGUF, an HF folder or a repo id in the HF cache."""
-    from rotaryquant.converter import hf
-    from rotaryquant.converter.errors import ConvertError
-
     p = Path(model).expanduser()
     if p.exists() and not os.access(p, os.R_OK):
         raise PlanError(f"cannot read {p} (permission denied)", fix="check its permissions")
@@ -107,13 +108,6 @@ def resolve(model: str | Path) -> tuple[str, Path]:
 def hf_header(folder: Path, workdir: Path) -> Header:
     """An HF folder as llama.cpp's converter would write it (metadata, tensor names, shapes), with no data:
     upstream's per-architecture code runs once, exactly as for rq-convert, and nothing is quantised."""
-    import gguf
-    import numpy as np
-
-    from rotaryquant.converter import hf
-    from rotaryquant.converter.errors import ConvertError
-    from rotaryquant.converter.writer import StreamingWriter
-
     root = paths.llama_root()
     recs: list[tuple[str, tuple[int, ...], int]] = []
     keep: dict[str, bool | None] = {}

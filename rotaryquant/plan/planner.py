@@ -6,15 +6,23 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rotaryquant.plan.accounting import DryRun, NoAllocModel, dry_run
+from rotaryquant import bindings, kvtypes
+from rotaryquant.bindings.accounting import DryRun, NoAllocModel, dry_run
+from rotaryquant.errors import PlanError
 from rotaryquant.plan.commands import commands
-from rotaryquant.plan.costing import Candidate, cpu_costs, gpu_costs, kv_bits, sort, transient_bytes
-from rotaryquant.plan.errors import MiB, PlanError, mib
-from rotaryquant.plan.facts import Header, calib_possible, head_widths, hf_header, read_header, resolve, \
-    write_skeleton
+from rotaryquant.plan.costing import Candidate, Plan, cpu_costs, gpu_costs, kv_bits, sort, transient_bytes
+from rotaryquant.plan.errors import MiB, mib
+from rotaryquant.plan.facts import (
+    Header,
+    calib_possible,
+    head_widths,
+    hf_header,
+    read_header,
+    resolve,
+    write_skeleton,
+)
 from rotaryquant.plan.models import identify
 from rotaryquant.plan.results import RESULTS, kv_quality, load_measurements
 from rotaryquant.plan.weights import Weights, weights_options
@@ -32,37 +40,6 @@ KV_DEFAULT = ("f16", "q8_0", "q8_0/isoquant3_0+calib", "q4_0+calib", "isoquant4_
 RECIPES = ("rotaryquant", "rotaryquant-itq3", "itq3-m", "itq3", "q8_0", "f16", "bf16")
 
 
-@dataclass
-class Plan:
-    model: str
-    source_kind: str                 # "gguf" | "hf"
-    arch: str
-    n_params: int
-    known: str | None                # the measured model this file is, if any
-    same_weights: bool
-    budget: int
-    ctx: int
-    parallel: int
-    device: str
-    deferred: bool
-    candidates: list[Candidate]
-    commands: list[str] = field(default_factory=list)
-    advice: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def winner(self) -> Candidate | None:
-        return next((c for c in self.candidates if c.fits and not c.error), None)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["winner"] = asdict(self.winner) if self.winner else None
-        for c in d["candidates"] + ([d["winner"]] if d["winner"] else []):
-            c["peak_mib"] = round(mib(c["peak"]), 1)
-        return d
-
-
 class NoFit(PlanError):
     """No candidate fits the budget; ``plan`` holds them all (closest first)."""
 
@@ -75,8 +52,6 @@ def make_plan(model: str | Path, *, budget: int, ctx: int, parallel: int = 1, de
               deferred: bool = False, recipes: Sequence[str] | None = None, kv: Sequence[str] | None = None,
               results: Path = RESULTS, workdir: Path | None = None) -> Plan:
     """Every weights option x KV type at ``ctx`` tokens per slot, costed by llama.cpp and ranked."""
-    from rotaryquant import kvtypes
-
     t0 = time.perf_counter()
     if ctx < 16:
         raise PlanError(f"context {ctx} is too small", fix="give the tokens one request needs, e.g. --ctx 32768")
@@ -88,7 +63,7 @@ def make_plan(model: str | Path, *, budget: int, ctx: int, parallel: int = 1, de
     specs = list(kv or KV_DEFAULT)
     for s_ in specs:
         try:
-            kvtypes.validate(s_)
+            bindings.validate_kv_spec(s_)
         except ValueError as e:
             raise PlanError(f"KV spec {s_!r}: {e}", fix=f"use types such as {', '.join(KV_SPECS[:4])}") from None
     with contextlib.ExitStack() as stack:

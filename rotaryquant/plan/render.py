@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from rotaryquant.plan.costing import Plan
 from rotaryquant.plan.errors import mib
-from rotaryquant.plan.planner import Plan
 
 
 def _m(n: int) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rotaryquant import paths
+from rotaryquant import kvtypes, paths
 from rotaryquant.plan.models import KnownModel, known_by_file
 
 RESULTS = paths.REPO / "docs" / "results"
@@ -26,8 +26,6 @@ class Measurement:
 
 
 def _norm_spec(label: str) -> str:
-    from rotaryquant import kvtypes
-
     bare = kvtypes.with_window(label, 0)
     k, _, v = bare.replace("+calib", "").partition("/")
     spec = k if not v or v == k else f"{k}/{v}"

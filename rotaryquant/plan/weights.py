@@ -7,7 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rotaryquant.plan.errors import PlanError, mib
+import numpy as np
+
+from rotaryquant.bindings import type_from_name, type_name
+from rotaryquant.converter import roles as R
+from rotaryquant.converter.errors import ConvertError
+from rotaryquant.converter.recipes import Planner, get_recipe
+from rotaryquant.errors import PlanError
+from rotaryquant.plan.errors import mib
 from rotaryquant.plan.facts import FLOAT_TYPES, INT_TYPES, Header, tensor_bytes
 from rotaryquant.plan.models import KnownModel
 from rotaryquant.plan.results import Measurement, Quality, elsewhere
@@ -28,8 +35,6 @@ class Weights:
 
 
 def role_bytes(h: Header, types: dict[str, int]) -> tuple[dict[str, int], int, float]:
-    from rotaryquant.converter import roles as R
-
     out: dict[str, int] = {}
     wbits = wn = 0
     for t in h.tensors:
@@ -44,12 +49,6 @@ def role_bytes(h: Header, types: dict[str, int]) -> tuple[dict[str, int], int, f
 
 def recipe_types(h: Header, recipe: str) -> tuple[dict[str, int], int]:
     """The type rq-convert gives each tensor of ``h`` under ``recipe`` (kurtosis promotions aside)."""
-    import numpy as np
-
-    from rotaryquant.converter import roles as R
-    from rotaryquant.converter.errors import ConvertError
-    from rotaryquant.converter.recipes import Planner, get_recipe
-
     try:
         names = [t.name for t in h.tensors]
         pl = Planner(get_recipe(recipe), promote=False, measure=False, tied="output.weight" not in names,
@@ -119,12 +118,8 @@ def weights_options(h: Header, recipes: Sequence[str], *, source_kind: str, meas
 
 
 def _type_id(name: str) -> int:
-    from rotaryquant.bindings import type_from_name
-
     return type_from_name(name)
 
 
 def _tname(t: int) -> str:
-    from rotaryquant.bindings import type_name
-
     return type_name(t)

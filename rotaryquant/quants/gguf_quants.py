@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from rotaryquant.quants import isoquant, itq3
+
 __all__ = ["register"]
 
 
 def register(base: type) -> tuple[type, ...]:
     """Define (and thereby register) gguf-py's classes of our types on ``base`` (gguf.quants.__Quant)."""
+    # lazy: runs while gguf.quants is being imported (see the docstring)
     from gguf.constants import GGMLQuantizationType as QT
-
-    from rotaryquant.quants import isoquant, itq3
 
     class ITQ3_S(base, qtype=QT.ITQ3_S):
         @classmethod

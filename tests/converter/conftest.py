@@ -32,21 +32,21 @@ def smol_gguf() -> Path:
 @pytest.fixture(scope="session")
 def smol2_hf(smol_gguf, tmp_path_factory) -> Path:
     """SmolLM2 with its first 2 layers (real weights, full tokenizer, BF16, 2 shards + index)."""
-    from rotaryquant.fixtures import smollm2_hf_folder
+    from rotaryquant.converter.hf_folders import smollm2_hf_folder
 
     return smollm2_hf_folder(smol_gguf, tmp_path_factory.mktemp("hf") / "smollm2-2L", n_layers=2)
 
 
 @pytest.fixture(scope="session")
 def smol_full_hf(smol_gguf, tmp_path_factory) -> Path:
-    from rotaryquant.fixtures import smollm2_hf_folder
+    from rotaryquant.converter.hf_folders import smollm2_hf_folder
 
     return smollm2_hf_folder(smol_gguf, tmp_path_factory.mktemp("hf") / "smollm2-full")
 
 
 @pytest.fixture(scope="session")
 def moe_hf(smol2_hf, tmp_path_factory) -> Path:
-    from rotaryquant.fixtures import qwen2moe_toy_folder
+    from rotaryquant.converter.hf_folders import qwen2moe_toy_folder
 
     return qwen2moe_toy_folder(tmp_path_factory.mktemp("hf") / "qwen2moe-toy", smol2_hf)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rotaryquant.converter.hf import NUMPY_VERIFIED
-from rotaryquant.fixtures import TOY_ARCHS, toy_folder
+from toy_archs import TOY_ARCHS, toy_folder  # tests/helpers
 
 
 def test_verified_list_is_what_the_suite_checks():

@@ -16,7 +16,7 @@ import pytest
 from rotaryquant.converter.cli import main as cli_main
 from rotaryquant.converter.convert import Options, convert
 from rotaryquant.converter.errors import ConvertError
-from rotaryquant.fixtures import write_safetensors
+from rotaryquant.converter.hf_folders import write_safetensors
 
 
 def _fails(capsys, args, *needles, out: Path | None = None):

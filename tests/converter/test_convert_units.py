@@ -12,7 +12,7 @@ from rotaryquant.converter import qtypes
 from rotaryquant.converter import roles as R
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.qtypes import QT
-from rotaryquant.fixtures import heavy_tailed
+from rotaryquant.converter.hf_folders import heavy_tailed
 from rotaryquant.converter.recipes import RECIPES, Planner, get_recipe, parse_override
 from rotaryquant.converter.stats import activation_kurtosis, excess_kurtosis
 from rotaryquant.quants import itq3

@@ -129,7 +129,7 @@ def test_markdown_shows_roofline_columns_only_when_measured():
 
 
 def test_rounds_interleave_abba_and_keep_each_rounds_ratio(monkeypatch, tmp_path):
-    from rotaryquant.plan import accounting
+    from rotaryquant.bindings import accounting
 
     calls = []
     secs = {("f16", 1): 2.0, ("q4_0", 1): 4.0, ("q4_0", 2): 3.0, ("f16", 2): 2.5}  # prefill seconds per round

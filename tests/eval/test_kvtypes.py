@@ -1,10 +1,11 @@
-"""rotaryquant.kvtypes and the bench configurations: cache specs with a +calib suffix."""
+"""rotaryquant.kvtypes (checked against the library: bindings.validate_kv_spec) and the bench configurations: cache
+specs with a +calib suffix."""
 
 from __future__ import annotations
 
 import pytest
 
-from rotaryquant.bindings import RQTypeError
+from rotaryquant.bindings import RQTypeError, validate_kv_spec
 from rotaryquant import kvtypes
 from rotaryquant.eval import kvbench
 
@@ -16,7 +17,7 @@ def test_specs_split_and_carry_the_calibration_switch():
     assert kvtypes.split("isoquant3_0+self") == ("isoquant3_0", "isoquant3_0") and kvtypes.k_center("q4_0+self")
     assert kvtypes.uses_iso("q8_0/isoquant3_0+calib") and not kvtypes.uses_iso("q4_0+calib")
     with pytest.raises(RQTypeError):
-        kvtypes.validate("q5_9+calib")
+        validate_kv_spec("q5_9+calib")
 
 
 def test_a_window_suffix_goes_anywhere_after_the_types():
@@ -38,7 +39,7 @@ def test_iso_specs():
     assert kvtypes.split("isoquant4_0/isoquant3_0") == ("isoquant4_0", "isoquant3_0")
     assert kvtypes.uses_iso("q8_0/isoquant4_0") and kvtypes.uses_iso("isoquant3_0")
     assert not kvtypes.uses_iso("q8_0/q4_0")
-    assert kvtypes.validate("isoquant4_0/isoquant3_0") == "isoquant4_0/isoquant3_0"
+    assert validate_kv_spec("isoquant4_0/isoquant3_0") == "isoquant4_0/isoquant3_0"
     with pytest.raises(RQTypeError):
-        kvtypes.validate("isoquant5_0")
+        validate_kv_spec("isoquant5_0")
 

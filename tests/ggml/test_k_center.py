@@ -264,7 +264,7 @@ def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
     # be rq-calibrate's statistics (LayerStats), computed here independently from the same tokens.
     from rotaryquant.bindings.capture import capture
     from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
+    from rotaryquant.converter.hf_folders import qwen2moe_toy_folder, smollm2_hf_folder
 
     tok = smollm2_hf_folder(smollm2, tmp_path / "smol-2L", n_layers=2)
     hf = qwen2moe_toy_folder(tmp_path / "moe-hf", tok, n_experts=4)

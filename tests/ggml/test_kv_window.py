@@ -135,7 +135,7 @@ def test_window_memory_is_reported(gemma3):
 
 def test_memory_planning_counts_a_window(gemma3):
     # rq-plan asks a no_alloc context what it would allocate: a window's rows must be in it
-    from rotaryquant.plan.accounting import NoAllocModel
+    from rotaryquant.bindings.accounting import NoAllocModel
 
     with NoAllocModel(gemma3) as m:
         plain, w16 = m.context("isoquant3_0", 1024), m.context("isoquant3_0+w16", 1024)

@@ -1,4 +1,4 @@
-"""rotaryquant.browser: headless Chromium over CDP; and with it llama-server's embedded web UI, used as a person
+"""tests/helpers/chromium_cdp.py: headless Chromium over CDP; and with it llama-server's embedded web UI, used as a person
 uses it (type a question, Enter, read the streamed answer) on a calibrated Gemma3 with the recommended
 isoquant4_0 K / isoquant3_0 V cache. The screenshot goes to build/webui.png (RQ_WEBUI_SCREENSHOT=path to
 write it elsewhere, e.g. docs/img/webui.png for the README)."""
@@ -41,7 +41,7 @@ def chromium_exe() -> str:
 
 
 def test_chromium_types_like_a_keyboard_and_takes_screenshots(chromium_exe, tmp_path):
-    from rotaryquant.browser import chromium
+    from chromium_cdp import chromium
 
     page_html = ("<textarea id=t></textarea><p id=sent></p><script>document.getElementById('t').addEventListener("
                  "'keydown', e => { if (e.key === 'Enter') document.getElementById('sent').textContent = "
@@ -81,7 +81,7 @@ def gemma3_kc(gemma3, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_web_ui_chat_streams_an_answer_from_the_isoquant_cache(chromium_exe, gemma3_kc, tmp_path,
                                                                sane_text):
-    from rotaryquant.browser import chromium
+    from chromium_cdp import chromium
     from rotaryquant.eval.serve import metrics
 
     if not (ui.dist_link() / "index.html").exists():

@@ -67,6 +67,18 @@ def test_value_type_table_is_gguf_pys():
     assert (gguf_io.MAGIC, gguf_io.DEFAULT_ALIGNMENT) == (gguf.GGUF_MAGIC, gguf.GGUF_DEFAULT_ALIGNMENT)
 
 
+def test_tensor_bytes_are_ggmls_row_sizes():
+    """gguf_io sizes tensors by gguf-py's table (no library needed); it must be what the loaded ggml says, for every
+    type a file can hold."""
+    import gguf
+
+    from rotaryquant import bindings
+
+    for t in gguf.GGML_QUANT_SIZES:
+        blck = gguf.GGML_QUANT_SIZES[t][0]
+        assert gguf_io.tensor_bytes(int(t), (blck * 3, 2)) == bindings.row_size(int(t), blck * 3) * 2, t.name
+
+
 def test_round_trip_metadata_and_tensor_infos(tiny):
     import gguf
 

@@ -26,7 +26,7 @@ def smol_header(smollm2) -> P.Header:
 def toy_moe(smollm2, tmp_path_factory):
     """(HF folder, its rq-convert output without kurtosis promotion): a tiny random Qwen2-MoE."""
     from rotaryquant.converter.convert import Options, convert
-    from rotaryquant.fixtures import qwen2moe_toy_folder, smollm2_hf_folder
+    from rotaryquant.converter.hf_folders import qwen2moe_toy_folder, smollm2_hf_folder
 
     root = tmp_path_factory.mktemp("plan-moe")
     tok = smollm2_hf_folder(smollm2, root / "smol-2L", n_layers=2)
@@ -297,7 +297,7 @@ def test_plans_qwen_1_5b_at_32k():
 
 @pytest.mark.slow
 def test_predicted_peak_rss_within_10_percent(smollm2):
-    from rotaryquant.eval import planverify as V
+    from rotaryquant import plan_verify as V
 
     row = V.measure(V.Case("smollm2-135m", smollm2, 1024, "f16"), progress=lambda s: None)
     assert row["within"], row

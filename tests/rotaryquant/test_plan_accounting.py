@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rotaryquant import plan as P
-from rotaryquant.plan import accounting
+from rotaryquant.bindings import accounting
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -80,7 +80,8 @@ def test_placement_names_every_tensor_once_or_twice(gemma3, gemma3_dry):
 
 # --- no regex on llama.cpp's log text ----------------------------------------------------------------
 
-FILES = sorted((REPO / "rotaryquant" / "plan").glob("*.py")) + [REPO / "rotaryquant" / "demo.py"]
+FILES = sorted((REPO / "rotaryquant" / "plan").glob("*.py")) + [REPO / "bindings" / "accounting.py",
+                                                             REPO / "rotaryquant" / "demo.py"]
 LOG_FRAGMENTS = ("buffer size", "llama_kv_cache", "overridden to", "tokens per second", "eval time",
                  "MiB, V (", "size = ")
 READS_LLAMA_OUTPUT = ("captured_log", "llama_log_set", "subprocess", "llama-completion", "llama-cli")
@@ -108,7 +109,7 @@ def test_no_regex_on_llama_cpp_log_text(path):
 
 
 def test_the_check_sees_the_old_code():
-    old = ('import re\nfrom rotaryquant.plan.accounting import captured_log\n'
+    old = ('import re\nfrom rotaryquant.bindings.accounting import captured_log\n'
            'RX = re.compile(r"llama_kv_cache: size = +([0-9.]+) MiB")\n')
     tree = ast.parse(old)
     assert _imports_re(tree) and any("llama_kv_cache" in s for s in _strings(tree))

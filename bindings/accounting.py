@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rotaryquant.plan.errors import PlanError
+from rotaryquant import gguf_io, kvtypes
+from rotaryquant.bindings import context, ggml
+from rotaryquant.errors import PlanError
 
 # llama-server defaults the plan mirrors in its dry run
 N_BATCH = 2048
@@ -66,7 +68,7 @@ GGML_LOG_LEVEL_ERROR = 4         # ggml.h: enum ggml_log_level
 @contextlib.contextmanager
 def captured_log() -> Iterator[list[str]]:
     """llama.cpp's log, kept from the terminal and collected (error lines marked, for :func:`errors`)."""
-    import llama_cpp as L
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
     lines: list[str] = []
 
@@ -79,7 +81,7 @@ def captured_log() -> Iterator[list[str]]:
         try:
             yield lines
         finally:
-            from llama_cpp import _logger
+            from llama_cpp import _logger  # lazy: loads the patched libllama: needs the build
 
             L.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
@@ -102,7 +104,7 @@ def errors(lines: list[str]) -> str:
 
 def memory(ctx: Any) -> dict[str, int]:
     """``llama_rq_get_memory(ctx)``: bytes a context allocated (or, no_alloc, would), by kind."""
-    import llama_cpp as L
+    import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
     m = L.llama_rq_get_memory(ctx)
     return {f: int(getattr(m, f)) for f, _ in L.llama_rq_memory._fields_}
@@ -121,12 +123,10 @@ class NoAllocModel:
         self.lines: list[str] = []
 
     def __enter__(self) -> "NoAllocModel":
-        import llama_cpp as L
+        import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
-        from rotaryquant import bindings
-
-        ggml = bindings.ggml._ggml()
-        ggml.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+        lib = ggml._ggml()
+        lib.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
 
         class Override(ctypes.Structure):
             _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
@@ -134,7 +134,7 @@ class NoAllocModel:
         # every tensor through the CPU buffer list: the same choice llama.cpp makes on a CPU-only
         # machine (CPU = memory-mapped, CPU_REPACK = copied)
         self._ov = (Override * 2)()
-        self._ov[0].pattern, self._ov[0].buft = b".", ggml.ggml_backend_cpu_buffer_type()
+        self._ov[0].pattern, self._ov[0].buft = b".", lib.ggml_backend_cpu_buffer_type()
         mp = L.llama_model_default_params()
         mp.no_alloc = True
         mp.load_mode = L.LLAMA_LOAD_MODE_NONE
@@ -154,7 +154,7 @@ class NoAllocModel:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        import llama_cpp as L
+        import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
         if self._model:
             L.llama_model_free(self._model)
@@ -171,9 +171,7 @@ class NoAllocModel:
         (``llama_rq_memory.model``) does: that copy is listed once more, under the repacking buffer type.
         """
         if self._placement is None:
-            import llama_cpp as L
-
-            from rotaryquant import gguf_io
+            import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
             tensors = {t.name: t for t in gguf_io.read_header(self.gguf).tensors}
             placed: dict[str, list[str]] = {}
@@ -200,15 +198,13 @@ class NoAllocModel:
         the pages it touches are those of a graph with ``n_seq`` outputs: the default here. ``swa_full``: SWA
         layers hold the whole context too (llama_context_default_params' choice; llama-server's is False).
         """
-        import llama_cpp as L
-
-        from rotaryquant import bindings, kvtypes
+        import llama_cpp as L  # lazy: loads the patched libllama: needs the build
 
         k, v = kvtypes.split(spec)
         cost = ContextCost(spec, n_ctx)
         try:
-            tk, tv = bindings.type_from_name(k), bindings.type_from_name(v)
-        except bindings.RQTypeError as e:
+            tk, tv = ggml.type_from_name(k), ggml.type_from_name(v)
+        except ggml.RQTypeError as e:
             raise PlanError(f"KV spec {spec!r}: {e}") from None
         cp = L.llama_context_default_params()
         cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, n_batch, n_ubatch, n_seq
@@ -222,7 +218,7 @@ class NoAllocModel:
         cp.n_outputs_max = n_outputs or n_seq
         # K centring is a setting of the context (llama_context_params.k_center): "+calib" specs use the
         # model's calibration, the others run without it; the recent window is the spec's ("+wN"; none without)
-        bindings.apply(cp, k_center="auto" if kvtypes.k_center(spec) else "off", window=kvtypes.window(spec))
+        context.apply(cp, k_center="auto" if kvtypes.k_center(spec) else "off", window=kvtypes.window(spec))
         n0 = len(self.lines)
         ctx = L.llama_init_from_model(self._model, cp)
         if not ctx:
@@ -261,8 +257,6 @@ def kv_bits_per_value(gguf: Path, specs: list[str], n_ctx: int = 4096) -> dict[s
     cache's bytes / 4), every layer holding the whole context (so: the average over layers, weighted by each
     layer's K/V width, per-layer types included), plus a recent window's F16 copies ("+wN": N more positions at 16
     bits, counted on every layer). Dry contexts: nothing is allocated."""
-    from rotaryquant import kvtypes
-
     with NoAllocModel(gguf) as m:
         f32 = m.context("f32", n_ctx, swa_full=True)
         if f32.error:
