@@ -19,9 +19,9 @@
 #include "ggml-rq.h"
 
 #include "isoquant-tables.h"
+#include "rq-atomic.h"
 
 #include <math.h>
-#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -33,7 +33,7 @@ int ggml_rq_version(void) {
 // ---------------------------------------------------------------------------------------------
 // counters and switches
 
-static _Atomic uint64_t rq_counters[GGML_RQ_COUNTER_COUNT];
+static rq_atomic_u64 rq_counters[GGML_RQ_COUNTER_COUNT];
 
 static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
     [GGML_RQ_ISO_DEQUANT_ROWS]   = "iso_dequant_rows",
@@ -45,18 +45,18 @@ static const char * const rq_counter_names[GGML_RQ_COUNTER_COUNT] = {
 };
 
 uint64_t ggml_rq_counter_get(enum ggml_rq_counter c) {
-    return (unsigned) c < GGML_RQ_COUNTER_COUNT ? atomic_load_explicit(&rq_counters[c], memory_order_relaxed) : 0;
+    return (unsigned) c < GGML_RQ_COUNTER_COUNT ? rq_atomic_load_u64(&rq_counters[c]) : 0;
 }
 
 void ggml_rq_counter_add(enum ggml_rq_counter c, uint64_t n) {
     if ((unsigned) c < GGML_RQ_COUNTER_COUNT) {
-        atomic_fetch_add_explicit(&rq_counters[c], n, memory_order_relaxed);
+        rq_atomic_add_u64(&rq_counters[c], n);
     }
 }
 
 void ggml_rq_counters_reset(void) {
     for (int i = 0; i < GGML_RQ_COUNTER_COUNT; ++i) {
-        atomic_store_explicit(&rq_counters[i], 0, memory_order_relaxed);
+        rq_atomic_store_u64(&rq_counters[i], 0);
     }
 }
 
@@ -106,36 +106,36 @@ void ggml_rq_flash_attn_ext_set_exact(struct ggml_tensor * fa, struct ggml_tenso
     fa->src[9] = q_pos;
 }
 
-static _Atomic int rq_iso_variant  = GGML_RQ_ISO_V3;
-static _Atomic int rq_iso_skip_inv = 0;
-static _Atomic int rq_cpu_avx512   = 1;
-static _Atomic int rq_cpu_split    = 1;
+static rq_atomic_int rq_iso_variant  = GGML_RQ_ISO_V3;
+static rq_atomic_int rq_iso_skip_inv = 0;
+static rq_atomic_int rq_cpu_avx512   = 1;
+static rq_atomic_int rq_cpu_split    = 1;
 
 void ggml_rq_iso_set_variant(enum ggml_rq_iso_variant v) {
     GGML_ASSERT((unsigned) v <= GGML_RQ_ISO_NONE);
-    atomic_store(&rq_iso_variant, (int) v);
+    rq_atomic_store_int(&rq_iso_variant, (int) v);
 }
 
 enum ggml_rq_iso_variant ggml_rq_iso_get_variant(void) {
-    return (enum ggml_rq_iso_variant) atomic_load_explicit(&rq_iso_variant, memory_order_relaxed);
+    return (enum ggml_rq_iso_variant) rq_atomic_load_int(&rq_iso_variant);
 }
 
-void ggml_rq_iso_set_skip_inverse(bool skip) { atomic_store(&rq_iso_skip_inv, skip ? 1 : 0); }
+void ggml_rq_iso_set_skip_inverse(bool skip) { rq_atomic_store_int(&rq_iso_skip_inv, skip ? 1 : 0); }
 
 bool ggml_rq_iso_get_skip_inverse(void) {
-    return atomic_load_explicit(&rq_iso_skip_inv, memory_order_relaxed) != 0;
+    return rq_atomic_load_int(&rq_iso_skip_inv) != 0;
 }
 
-void ggml_rq_cpu_set_avx512(bool allow) { atomic_store(&rq_cpu_avx512, allow ? 1 : 0); }
+void ggml_rq_cpu_set_avx512(bool allow) { rq_atomic_store_int(&rq_cpu_avx512, allow ? 1 : 0); }
 
 bool ggml_rq_cpu_get_avx512(void) {
-    return atomic_load_explicit(&rq_cpu_avx512, memory_order_relaxed) != 0;
+    return rq_atomic_load_int(&rq_cpu_avx512) != 0;
 }
 
-void ggml_rq_cpu_set_split(bool allow) { atomic_store(&rq_cpu_split, allow ? 1 : 0); }
+void ggml_rq_cpu_set_split(bool allow) { rq_atomic_store_int(&rq_cpu_split, allow ? 1 : 0); }
 
 bool ggml_rq_cpu_get_split(void) {
-    return atomic_load_explicit(&rq_cpu_split, memory_order_relaxed) != 0;
+    return rq_atomic_load_int(&rq_cpu_split) != 0;
 }
 
 const float * ggml_rq_iso_codebook(void) {

@@ -24,15 +24,16 @@ ci_build "$BUILD" -DGGML_NATIVE=OFF -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=
     -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 
 # the scalar kernels are the ones compiled: no AVX/SSE4 macro, and no 256-bit register in our objects
-m=$(ci_macros "$BUILD" ggml-rq/cpu/rq-cpu.c)
-grep -qE "#define __(AVX|AVX2|FMA|F16C|SSSE3|SSE4_1)__ " <<< "$m" && die "rq-cpu.c was compiled with x86 SIMD enabled"
+m=$(ci_macros "$BUILD" ggml-rq/cpu/arch/x86/rq-cpu-x86.c)
+grep -qE "#define __(AVX|AVX2|FMA|F16C|SSSE3|SSE4_1)__ " <<< "$m" && die "rq-cpu-x86.c was compiled with x86 SIMD enabled"
 objs=$(find "$BUILD" -path "*ggml-rq*" -name "*.o" -not -path "*fuzz*")
-[ "$(wc -l <<< "$objs")" -eq 3 ] || die "expected 3 objects of ours (rq-cpu.c, isoquant.c, itq3.c), found: $objs"
+# isoquant.c, itq3.c; rq-cpu.c, rq-fa.c and the arch/ units (the Arm one and AVX-512 one compile to nothing here)
+[ "$(wc -l <<< "$objs")" -eq 7 ] || die "expected 7 objects of ours, found: $objs"
 for o in $objs; do
     n=$(objdump -d "$o" | grep -c "%ymm" || true)
     [ "$n" -eq 0 ] || die "$o uses ymm registers ($n instructions)"
 done
-log "rq-cpu.c, isoquant.c, itq3.c: compiled without AVX/AVX2/FMA/F16C, no ymm instruction"
+log "our 7 objects: compiled without AVX/AVX2/FMA/F16C, no ymm instruction"
 
 ci_tests "$BUILD/bin"
 out=$("$BUILD/bin/fuzz-rq" -runs 4000 -seed 20261129 2>&1) || { echo "$out" | tail -30; die "fuzz-rq failed"; }
