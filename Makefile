@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV_PY := .venv/bin/python
 SETUP_ARGS ?=
 
-.PHONY: setup wheel demo test test-fast test-scalar test-aarch64 test-vulkan lint patches bench clean
+.PHONY: setup wheel demo test test-fast test-scalar test-aarch64 test-windows test-vulkan lint patches bench clean
 
 setup:
 	$(PYTHON) -m rotaryquant.build setup $(SETUP_ARGS)
@@ -28,7 +28,8 @@ test-fast: setup
 	$(VENV_PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 # the CPU paths other than build/cpu's AVX2 (docs/cpu-paths.md): a ggml build with
-# every x86 SIMD option off (build/scalar), and an AArch64 NEON build run under qemu (build/aarch64)
+# every x86 SIMD option off (build/scalar), an AArch64 NEON build run under qemu (build/aarch64), and a
+# Windows x86-64 build with mingw-w64 run under wine (build/windows)
 # ruff with pyproject's rules (also a test in the suite: tests/test_lint.py)
 lint: setup
 	$(VENV_PY) -m ruff check .
@@ -38,6 +39,9 @@ test-scalar: setup
 
 test-aarch64: setup
 	scripts/ci/aarch64.sh
+
+test-windows: setup
+	scripts/ci/windows.sh
 
 # the Vulkan backend on Mesa's lavapipe (build/vulkan; docs/vulkan.md): our kernels against the CPU, end to end
 test-vulkan: setup

@@ -1,4 +1,4 @@
-# Shared by scripts/ci/scalar.sh and scripts/ci/aarch64.sh (sourced): configure and build the ggml-only
+# Shared by the CI jobs in scripts/ci (sourced): configure and build the ggml-only
 # CI project (scripts/ci/CMakeLists.txt) into a folder, then run our types' tests, optionally under a
 # runner (qemu). Every step exits non-zero on failure.
 
@@ -72,18 +72,19 @@ ci_macros() {
     (cd "$dir" && eval "$cmd -dM -E -o -") || die "could not preprocess $2"
 }
 
-# ci_tests BIN_DIR [RUNNER...]: our C tests, test-quantize-fns and test-backend-ops for our types
+# ci_tests BIN_DIR [RUNNER...]: our C tests, test-quantize-fns and test-backend-ops for our types (CI_EXE: the
+# programs' file suffix, .exe for Windows)
 ci_tests() {
     local bin=$1; shift
     local run=("$@") fails=0 total=0 out n
     for t in test-rq-attn test-rq-itq3; do
-        if out=$("${run[@]}" "$bin/$t" 2>&1); then
+        if out=$("${run[@]}" "$bin/$t${CI_EXE:-}" 2>&1); then
             log "$t: ok"
         else
             echo "$out" | tail -30; log "$t: FAILED"; fails=$((fails + 1))
         fi
     done
-    out=$("${run[@]}" "$bin/test-quantize-fns" -v 2>&1) || { echo "$out" | grep -iv ": *ok" | tail -30; log "test-quantize-fns: FAILED"; fails=$((fails + 1)); }
+    out=$("${run[@]}" "$bin/test-quantize-fns${CI_EXE:-}" -v 2>&1) || { echo "$out" | grep -iv ": *ok" | tail -30; log "test-quantize-fns: FAILED"; fails=$((fails + 1)); }
     n=$(grep -cE "^ *(isoquant3_0|isoquant4_0|isoquant3_64|isoquant4_64|itq3_s) .*: +ok" <<< "$out" || true)
     if [ "$n" -ne 15 ]; then  # 5 types x (quantisation error, reference error, dot product error)
         grep -E "isoquant|itq3" <<< "$out"; log "test-quantize-fns: $n of 15 checks of our types ok"; fails=$((fails + 1))
@@ -91,7 +92,7 @@ ci_tests() {
         log "test-quantize-fns: our types' 15 checks ok"
     fi
     for op in $RQ_OPS; do
-        out=$("${run[@]}" "$bin/test-backend-ops" test -b CPU -o "$op" -p "$RQ_TYPES" 2>&1) && rc=0 || rc=$?
+        out=$("${run[@]}" "$bin/test-backend-ops${CI_EXE:-}" test -b CPU -o "$op" -p "$RQ_TYPES" 2>&1) && rc=0 || rc=$?
         n=$(grep -c "OK" <<< "$out" || true)
         if [ $rc -ne 0 ] || grep -q "FAIL" <<< "$out" || ! grep -q "tests passed" <<< "$out"; then
             grep -E "FAIL|tests passed" <<< "$out" | tail -30; log "test-backend-ops $op: FAILED (rc $rc)"; fails=$((fails + 1))
