@@ -128,142 +128,61 @@ static __device__ __forceinline__ float rq_fa_load(const char * __restrict__ row
     return __half2float(b->d)*(float) b->qs[i % QK8_0];
 }
 
+// the stages of k_rq_fattn (steps 0-4 above and the partial write); the shape of one instance
 template <int D, int NC, int KB, int VB>
-__launch_bounds__(RQ_FA_NTHREADS, 1)
-static __global__ void k_rq_fattn(const rq_fa_params p) {
-    constexpr bool K_ISO = KB != 0;
-    constexpr bool V_ISO = VB != 0;
-    constexpr int  QK  = D == 64 ? QK_ISO64 : QK_ISO; // IsoQuant block width
-    constexpr int  NL  = QK/4;       // lanes per block (one SO(4) group each): 32 or 16
-    constexpr int  RPW = WARP_SIZE/NL; // KV rows a warp accumulates at once: 1, or 2 (one per half-warp)
-    constexpr int  NB  = D/QK;       // blocks per row
-    constexpr int  NCH = QK/32;      // 32-index chunks per block
-    constexpr int  EPL = 4*NB;       // accumulator values per lane and column
-    constexpr int  KW  = NCH*KB;     // staged index words per K block (12 or 16; 6 or 8 for 64-value blocks)
-    constexpr int  VW  = NCH*VB;
-    constexpr int  SW  = NCH*(KB > VB ? KB : VB)*NB + 1;  // staged words per row (K and V share the buffer)
+struct rq_fa_block {
+    static constexpr bool K_ISO = KB != 0;
+    static constexpr bool V_ISO = VB != 0;
+    static constexpr int  QK  = D == 64 ? QK_ISO64 : QK_ISO; // IsoQuant block width
+    static constexpr int  NL  = QK/4;       // lanes per block (one SO(4) group each): 32 or 16
+    static constexpr int  RPW = WARP_SIZE/NL; // KV rows a warp accumulates at once: 1, or 2 (one per half-warp)
+    static constexpr int  NB  = D/QK;       // blocks per row
+    static constexpr int  NCH = QK/32;      // 32-index chunks per block
+    static constexpr int  EPL = 4*NB;       // accumulator values per lane and column
+    static constexpr int  KW  = NCH*KB;     // staged index words per K block (12 or 16; 6 or 8 for 64-value blocks)
+    static constexpr int  VW  = NCH*VB;
+    static constexpr int  SW  = NCH*(KB > VB ? KB : VB)*NB + 1;  // staged words per row (K and V share the buffer)
     static_assert(D % QK == 0 && (D == 64) == (QK == QK_ISO64), "head size and block width");
-
-    __shared__ __align__(16) float Qs[NC][D];
-    __shared__ float    KQ[RQ_FA_TILE][NC];
-    __shared__ uint32_t stage[RQ_FA_TILE*SW];
-    __shared__ float    dsh[RQ_FA_TILE*NB];
-    __shared__ float    M_sh[NC], S_sh[NC], ms_sh[NC];
-    __shared__ float    cbk_sh[16], cbv_sh[16]; // the codebooks of K and V (the first 8 entries for 3 bits)
-
-    const int lane = threadIdx.x;
-    const int warp = threadIdx.y;
-    const int tid  = warp*WARP_SIZE + lane;
-    const int sl   = lane % NL;      // lane in its block group
-    const int sr   = lane / NL;      // group in the warp (0, or 0/1 for 64-value blocks)
-
-    const int f0  = blockIdx.x*NC;
-    const int ik2 = blockIdx.y % p.n_head_kv;
-    const int i3  = blockIdx.y / p.n_head_kv;
-    const int ncols_total = p.N*p.gqa;
-
-    const char * K = p.K + ik2*p.nbk2 + i3*p.nbk3;
-    const char * V = p.V + ik2*p.nbv2 + i3*p.nbv3;
-
-    // per column: validity, mask row, ALiBi slope
-    bool         cvalid[NC];
-    const half * mrow[NC];
-    float        slope[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-        const int f   = f0 + c;
-        cvalid[c]     = f < ncols_total;
-        const int iq1 = cvalid[c] ? f / p.gqa : 0;
-        const int h   = ik2*p.gqa + (cvalid[c] ? f % p.gqa : 0);
-        mrow[c] = p.mask ? (const half *) ((const char *) p.mask + iq1*p.nbm1 + (h % p.ne_m2)*p.nbm2 + (i3 % p.ne_m3)*p.nbm3) : nullptr;
-        slope[c] = 1.0f;
-        if (p.max_bias > 0.0f) {
-            slope[c] = h < p.n_head_log2 ? powf(p.m0, h + 1) : powf(p.m1, 2*(h - p.n_head_log2) + 1);
-        }
-    }
 
     // 0. Q * scale, rotated by R for ISO K (once per column and block; with 64-value blocks both half-warps
     //    compute the same block, the lower one stores it)
-    for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
-        const int  f     = f0 + c;
-        const bool valid = f < ncols_total;
-        const int  iq1   = valid ? f / p.gqa : 0;
-        const int  h     = ik2*p.gqa + (valid ? f % p.gqa : 0);
-        const float * q  = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + i3*p.nbq3);
+    static __device__ __forceinline__ void load_q(const rq_fa_params & p, const int f0, const int ik2, const int i3,
+                                                  const int ncols_total, const int warp, const int sl, const int sr,
+                                                  float (&Qs)[NC][D]) {
+        for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
+            const int  f     = f0 + c;
+            const bool valid = f < ncols_total;
+            const int  iq1   = valid ? f / p.gqa : 0;
+            const int  h     = ik2*p.gqa + (valid ? f % p.gqa : 0);
+            const float * q  = (const float *) (p.Q + iq1*p.nbq1 + h*p.nbq2 + i3*p.nbq3);
 #pragma unroll
-        for (int b = 0; b < NB; ++b) {
-            float v[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
-            if (valid) {
+            for (int b = 0; b < NB; ++b) {
+                float v[4] = { 0.0f, 0.0f, 0.0f, 0.0f };
+                if (valid) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    v[e] = q[b*QK + 4*sl + e]*p.scale;
+                    for (int e = 0; e < 4; ++e) {
+                        v[e] = q[b*QK + 4*sl + e]*p.scale;
+                    }
+                }
+                if constexpr (K_ISO) {
+                    rq_iso_rotate_warp<QK>(v, p.variant);
+                }
+                if (sr == 0) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        Qs[c][b*QK + 4*sl + e] = v[e];
+                    }
                 }
             }
-            if constexpr (K_ISO) {
-                rq_iso_rotate_warp<QK>(v, p.variant);
-            }
-            if (sr == 0) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    Qs[c][b*QK + 4*sl + e] = v[e];
-                }
-            }
-        }
-    }
-    if constexpr (K_ISO) {
-        if (tid < (1 << KB)) {
-            cbk_sh[tid] = rq_iso_level<KB, false, QK>(tid);
-        }
-    }
-    if constexpr (V_ISO) {
-        if (tid < (1 << VB)) {
-            cbv_sh[tid] = rq_iso_level<VB, false, QK>(tid);
-        }
-    }
-    if (tid < NC) {
-        M_sh[tid] = -INFINITY;
-        S_sh[tid] = 0.0f;
-    }
-
-    float acc[NC][EPL];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-#pragma unroll
-        for (int k = 0; k < EPL; ++k) {
-            acc[c][k] = 0.0f;
         }
     }
 
-    const int kv_begin = blockIdx.z*p.kv_chunk;
-    const int kv_end   = min(p.n_kv, kv_begin + p.kv_chunk);
-
-    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += RQ_FA_TILE) {
-        // mask of this thread's row; a tile no column can see is skipped as a whole (causal prefill)
-        const int  kv    = kv0 + tid;
-        const bool in    = kv < kv_end;
-        float mv[NC];
-        bool  row_any = false;
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            mv[c] = -INFINITY;
-            if (in && cvalid[c]) {
-                mv[c] = mrow[c] ? slope[c]*__half2float(mrow[c][kv]) : 0.0f;
-            }
-            row_any = row_any || mv[c] != -INFINITY;
-        }
-        // also the barrier that protects KQ/stage from the previous tile's readers
-        if (!__syncthreads_or(row_any)) {
-            continue;
-        }
-
-        // 1. stage K
-        if constexpr (K_ISO) {
-            rq_fa_stage<NB, SW, KB, QK>(K, p.nbk1, kv0, kv_end, stage, dsh);
-            __syncthreads();
-        }
-
-        // 2. scores
-        float s[NC];
+    // 2. the scores of KV row kv, thread tid's, against all NC columns: ISO K from its staged row and the codebook,
+    //    F16/Q8_0 K from global memory; softcap, then mv (mask and ALiBi); -INFINITY where masked
+    static __device__ __forceinline__ void score(const rq_fa_params & p, const char * K, const int kv, const int tid,
+                                                 const bool row_any, const float (&mv)[NC], const uint32_t * stage,
+                                                 const float * dsh, const float (&Qs)[NC][D], const float * cbk_sh,
+                                                 float (&s)[NC]) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             s[c] = -INFINITY;
@@ -354,13 +273,12 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 s[c] = mv[c] == -INFINITY ? -INFINITY : x + mv[c];
             }
         }
-#pragma unroll
-        for (int c = 0; c < NC; ++c) {
-            KQ[tid][c] = s[c];
-        }
-        __syncthreads();
+    }
 
-        // 3. online softmax, one warp per column; then stage V (K's staged rows are no longer read)
+    // 3. online softmax of the tile's scores KQ, one warp per column: KQ becomes the probabilities, M_sh and S_sh
+    //    the running max and sum, ms_sh the factor that rescales the column's accumulator
+    static __device__ __forceinline__ void softmax(const int warp, const int lane, float (&KQ)[RQ_FA_TILE][NC],
+                                                   float (&M_sh)[NC], float (&S_sh)[NC], float (&ms_sh)[NC]) {
         for (int c = warp; c < NC; c += RQ_FA_NWARPS) {
             float mx = -INFINITY;
             for (int r = lane; r < RQ_FA_TILE; r += WARP_SIZE) {
@@ -391,12 +309,14 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
                 ms_sh[c] = ms;
             }
         }
-        if constexpr (V_ISO) {
-            rq_fa_stage<NB, SW, VB, QK>(V, p.nbv1, kv0, kv_end, stage, dsh);
-        }
-        __syncthreads();
+    }
 
-        // 4. accumulate p * V (rotated domain for ISO V)
+    // 4. accumulate p * V of the tile kv0.. (rotated domain for ISO V; V staged for ISO V, else from global memory)
+    static __device__ __forceinline__ void accumulate(const rq_fa_params & p, const char * V, const int kv0, const int kv_end,
+                                                      const int warp, const int sl, const int sr,
+                                                      const float (&KQ)[RQ_FA_TILE][NC], const uint32_t * stage,
+                                                      const float * dsh, const float * cbv_sh, const float (&ms_sh)[NC],
+                                                      float (&acc)[NC][EPL]) {
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
             const float ms = ms_sh[c];
@@ -448,42 +368,169 @@ static __global__ void k_rq_fattn(const rq_fa_params p) {
         }
     }
 
-    // merge the 4 warps' (8 half-warps') accumulators and write this split's partial result of every column
-    __syncthreads();
-    constexpr int NPART = RQ_FA_NWARPS*RPW;
-    float * red = (float *) stage; // [NPART][D]
-    static_assert(RQ_FA_TILE*SW >= NPART*D, "reduction buffer too small");
+    // merge the 4 warps' (8 half-warps') accumulators and write this split's partial result of every column, with
+    // stage as the buffer; every thread of the block calls it (barriers; the valid columns are the block's)
+    static __device__ __forceinline__ void write_partial(const rq_fa_params & p, const int f0, const int ik2, const int i3,
+                                                         const int warp, const int sl, const int sr, const int tid,
+                                                         const bool (&cvalid)[NC], const float (&acc)[NC][EPL],
+                                                         uint32_t * stage, const float (&M_sh)[NC], const float (&S_sh)[NC]) {
+        __syncthreads();
+        constexpr int NPART = RQ_FA_NWARPS*RPW;
+        float * red = (float *) stage; // [NPART][D]
+        static_assert(RQ_FA_TILE*SW >= NPART*D, "reduction buffer too small");
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            if (!cvalid[c]) {
+                break; // valid columns come first
+            }
+            const int f   = f0 + c;
+            const int iq1 = f / p.gqa;
+            const int h   = ik2*p.gqa + f % p.gqa;
+            const int64_t row = ((int64_t) i3*p.N + iq1)*p.n_head + h;
+            const int64_t off = (int64_t) blockIdx.z*p.nrows + row;
+#pragma unroll
+            for (int b = 0; b < NB; ++b) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    red[(warp*RPW + sr)*D + b*QK + 4*sl + e] = acc[c][4*b + e];
+                }
+            }
+            __syncthreads();
+            for (int i = tid; i < D; i += RQ_FA_NTHREADS) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int w = 0; w < NPART; ++w) {
+                    sum += red[w*D + i];
+                }
+                p.part_vkq[off*D + i] = sum;
+            }
+            if (tid == 0) {
+                p.part_ms[off] = make_float2(M_sh[c], S_sh[c]);
+            }
+            __syncthreads();
+        }
+    }
+};
+
+template <int D, int NC, int KB, int VB>
+__launch_bounds__(RQ_FA_NTHREADS, 1)
+static __global__ void k_rq_fattn(const rq_fa_params p) {
+    using B = rq_fa_block<D, NC, KB, VB>;
+    constexpr int QK = B::QK, NL = B::NL, NB = B::NB, EPL = B::EPL, SW = B::SW;
+
+    __shared__ __align__(16) float Qs[NC][D];
+    __shared__ float    KQ[RQ_FA_TILE][NC];
+    __shared__ uint32_t stage[RQ_FA_TILE*SW];
+    __shared__ float    dsh[RQ_FA_TILE*NB];
+    __shared__ float    M_sh[NC], S_sh[NC], ms_sh[NC];
+    __shared__ float    cbk_sh[16], cbv_sh[16]; // the codebooks of K and V (the first 8 entries for 3 bits)
+
+    const int lane = threadIdx.x;
+    const int warp = threadIdx.y;
+    const int tid  = warp*WARP_SIZE + lane;
+    const int sl   = lane % NL;      // lane in its block group
+    const int sr   = lane / NL;      // group in the warp (0, or 0/1 for 64-value blocks)
+
+    const int f0  = blockIdx.x*NC;
+    const int ik2 = blockIdx.y % p.n_head_kv;
+    const int i3  = blockIdx.y / p.n_head_kv;
+    const int ncols_total = p.N*p.gqa;
+
+    const char * K = p.K + ik2*p.nbk2 + i3*p.nbk3;
+    const char * V = p.V + ik2*p.nbv2 + i3*p.nbv3;
+
+    // per column: validity, mask row, ALiBi slope
+    bool         cvalid[NC];
+    const half * mrow[NC];
+    float        slope[NC];
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-        if (!cvalid[c]) {
-            break; // valid columns come first
-        }
         const int f   = f0 + c;
-        const int iq1 = f / p.gqa;
-        const int h   = ik2*p.gqa + f % p.gqa;
-        const int64_t row = ((int64_t) i3*p.N + iq1)*p.n_head + h;
-        const int64_t off = (int64_t) blockIdx.z*p.nrows + row;
-#pragma unroll
-        for (int b = 0; b < NB; ++b) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                red[(warp*RPW + sr)*D + b*QK + 4*sl + e] = acc[c][4*b + e];
-            }
+        cvalid[c]     = f < ncols_total;
+        const int iq1 = cvalid[c] ? f / p.gqa : 0;
+        const int h   = ik2*p.gqa + (cvalid[c] ? f % p.gqa : 0);
+        mrow[c] = p.mask ? (const half *) ((const char *) p.mask + iq1*p.nbm1 + (h % p.ne_m2)*p.nbm2 + (i3 % p.ne_m3)*p.nbm3) : nullptr;
+        slope[c] = 1.0f;
+        if (p.max_bias > 0.0f) {
+            slope[c] = h < p.n_head_log2 ? powf(p.m0, h + 1) : powf(p.m1, 2*(h - p.n_head_log2) + 1);
         }
-        __syncthreads();
-        for (int i = tid; i < D; i += RQ_FA_NTHREADS) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int w = 0; w < NPART; ++w) {
-                sum += red[w*D + i];
-            }
-            p.part_vkq[off*D + i] = sum;
-        }
-        if (tid == 0) {
-            p.part_ms[off] = make_float2(M_sh[c], S_sh[c]);
-        }
-        __syncthreads();
     }
+
+    B::load_q(p, f0, ik2, i3, ncols_total, warp, sl, sr, Qs);
+    if constexpr (B::K_ISO) {
+        if (tid < (1 << KB)) {
+            cbk_sh[tid] = rq_iso_level<KB, false, QK>(tid);
+        }
+    }
+    if constexpr (B::V_ISO) {
+        if (tid < (1 << VB)) {
+            cbv_sh[tid] = rq_iso_level<VB, false, QK>(tid);
+        }
+    }
+    if (tid < NC) {
+        M_sh[tid] = -INFINITY;
+        S_sh[tid] = 0.0f;
+    }
+
+    float acc[NC][EPL];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+#pragma unroll
+        for (int k = 0; k < EPL; ++k) {
+            acc[c][k] = 0.0f;
+        }
+    }
+
+    const int kv_begin = blockIdx.z*p.kv_chunk;
+    const int kv_end   = min(p.n_kv, kv_begin + p.kv_chunk);
+
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += RQ_FA_TILE) {
+        // mask of this thread's row; a tile no column can see is skipped as a whole (causal prefill)
+        const int  kv    = kv0 + tid;
+        const bool in    = kv < kv_end;
+        float mv[NC];
+        bool  row_any = false;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            mv[c] = -INFINITY;
+            if (in && cvalid[c]) {
+                mv[c] = mrow[c] ? slope[c]*__half2float(mrow[c][kv]) : 0.0f;
+            }
+            row_any = row_any || mv[c] != -INFINITY;
+        }
+        // also the barrier that protects KQ/stage from the previous tile's readers
+        if (!__syncthreads_or(row_any)) {
+            continue;
+        }
+
+        // 1. stage K
+        if constexpr (B::K_ISO) {
+            rq_fa_stage<NB, SW, KB, QK>(K, p.nbk1, kv0, kv_end, stage, dsh);
+            __syncthreads();
+        }
+
+        // 2. scores
+        float s[NC];
+        B::score(p, K, kv, tid, row_any, mv, stage, dsh, Qs, cbk_sh, s);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+            KQ[tid][c] = s[c];
+        }
+        __syncthreads();
+
+        // 3. online softmax, one warp per column; then stage V (K's staged rows are no longer read)
+        B::softmax(warp, lane, KQ, M_sh, S_sh, ms_sh);
+        if constexpr (B::V_ISO) {
+            rq_fa_stage<NB, SW, VB, QK>(V, p.nbv1, kv0, kv_end, stage, dsh);
+        }
+        __syncthreads();
+
+        // 4. accumulate p * V (rotated domain for ISO V)
+        B::accumulate(p, V, kv0, kv_end, warp, sl, sr, KQ, stage, dsh, cbv_sh, ms_sh, acc);
+    }
+
+    // merge the warps' accumulators and write this split's partial result of every column
+    B::write_partial(p, f0, ik2, i3, warp, sl, sr, tid, cvalid, acc, stage, M_sh, S_sh);
 }
 
 // merge the splits, add the sink, normalise, R^T (ISO V) and write dst[DV, n_head, N, ne3]; one warp per row
