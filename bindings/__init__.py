@@ -29,9 +29,7 @@ from rotaryquant.bindings.ggml import (
     validate_kv_spec,
 )
 from rotaryquant.bindings.tools import bin_dir, binary
-from rotaryquant.kvtypes import (
-    ISO_TYPES,  # the IsoQuant types: a table of names, kvtypes' (no library needed)
-)
+from rotaryquant.kvtypes import ISO_TYPES  # the IsoQuant types: a table of names, kvtypes' (no library needed)
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",

@@ -28,12 +28,8 @@ from rotaryquant import paths
 from rotaryquant.converter import calibrate_step, gguf_source, hf
 from rotaryquant.converter import calibration as C
 from rotaryquant.converter import roles as R
-from rotaryquant.converter.calibrate_step import (
-    _check_calibration_used,
-    _dry_run_calibration_note,
-    itq3_wanted,
-    resolve_calibration,
-)
+from rotaryquant.converter.calibrate_step import (_check_calibration_used, _dry_run_calibration_note,
+                                                  itq3_wanted, resolve_calibration)
 from rotaryquant.converter.calibration import Identity, Stats
 from rotaryquant.converter.errors import ConvertError
 from rotaryquant.converter.imatrix import check_shape, load_imatrix

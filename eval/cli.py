@@ -18,24 +18,8 @@ from pathlib import Path
 
 from rotaryquant import assets, bindings, data, paths
 from rotaryquant.errors import RQError, run_cli
-from rotaryquant.eval import (
-    ablation,
-    convertspeed,
-    decode,
-    gate,
-    isovariants,
-    kvbench,
-    kvmemory,
-    kvquality,
-    niah,
-    report,
-    roofline,
-    serve,
-    servertests,
-    versus,
-    weights,
-    weightspeed,
-)
+from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality,
+                              niah, report, roofline, serve, servertests, versus, weights, weightspeed)
 from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
 from rotaryquant.eval import versus_weights as vw
 

@@ -13,20 +13,8 @@ from pathlib import Path
 import numpy as np
 
 from rotaryquant import machine
-from rotaryquant.eval import (
-    ablation,
-    alternatives,
-    decode,
-    frontier,
-    kvbench,
-    kvmemory,
-    kvquality,
-    planverify,
-    roofline,
-    serve,
-    versus_weights,
-    weights,
-)
+from rotaryquant.eval import (ablation, alternatives, decode, frontier, kvbench, kvmemory, kvquality,
+                              planverify, roofline, serve, versus_weights, weights)
 from rotaryquant.eval import gate as gate_mod
 from rotaryquant.eval import niah as niah_mod
 

@@ -44,32 +44,12 @@ from rotaryquant.bindings.accounting import N_BATCH, N_UBATCH, ContextCost, DryR
 from rotaryquant.errors import PlanError
 from rotaryquant.gguf_io import TensorInfo, tensor_bytes
 from rotaryquant.plan.commands import expert_rule
-from rotaryquant.plan.costing import (
-    BASE,
-    BASE_PER_TOKEN,
-    EXPERTS,
-    PAGE,
-    Candidate,
-    Plan,
-    base_bytes,
-    cpu_costs,
-    deferred_transient,
-    gpu_costs,
-    kv_bits,
-    sort,
-    transient_bytes,
-)
+from rotaryquant.plan.costing import (BASE, BASE_PER_TOKEN, EXPERTS, PAGE, Candidate, Plan, base_bytes,
+                                      cpu_costs, deferred_transient, gpu_costs, kv_bits, sort,
+                                      transient_bytes)
 from rotaryquant.plan.errors import MiB, mib, parse_size
-from rotaryquant.plan.facts import (
-    Header,
-    calib_possible,
-    head_widths,
-    hf_header,
-    layer_dims,
-    read_header,
-    resolve,
-    write_skeleton,
-)
+from rotaryquant.plan.facts import (Header, calib_possible, head_widths, hf_header, layer_dims, read_header,
+                                    resolve, write_skeleton)
 from rotaryquant.plan.models import KNOWN_MODELS, KnownModel, identify
 from rotaryquant.plan.planner import KV_DEFAULT, KV_SPECS, RECIPES, NoFit, make_plan
 from rotaryquant.plan.render import render, to_json

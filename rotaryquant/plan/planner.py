@@ -14,15 +14,8 @@ from rotaryquant.errors import PlanError
 from rotaryquant.plan.commands import commands
 from rotaryquant.plan.costing import Candidate, Plan, cpu_costs, gpu_costs, kv_bits, sort, transient_bytes
 from rotaryquant.plan.errors import MiB, mib
-from rotaryquant.plan.facts import (
-    Header,
-    calib_possible,
-    head_widths,
-    hf_header,
-    read_header,
-    resolve,
-    write_skeleton,
-)
+from rotaryquant.plan.facts import (Header, calib_possible, head_widths, hf_header, read_header, resolve,
+                                    write_skeleton)
 from rotaryquant.plan.models import identify
 from rotaryquant.plan.results import RESULTS, kv_quality, load_measurements
 from rotaryquant.plan.weights import Weights, weights_options
