@@ -113,11 +113,11 @@ struct rq_fa_kernels {
     // raw[us[j]][t] = <row t, key xs[j]> for nk packed IsoQuant keys
     void (*score)(const struct rq_fa_op * op, const struct rq_fa_qtile * qt, int T, int nk,
                   const uint8_t * const * xs, const int * us, float (*raw)[RQ_FA_TILE]);
-    // raw <- scale (or softcap tanh) + slope*mask per key and row; bmax[t]: each row's max over the nu keys
-    void (*logits)(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope,
-                   float scale, float softcap, float * bmax);
-    // raw <- exp(raw - M[t]) (the weights), S[t] += their sum
-    void (*exps)(int T, int nu, float (*raw)[RQ_FA_TILE], const float * M, float * S);
+    // the block's online-softmax update: raw <- scale (or softcap tanh) + slope*mask per key and row; a row whose max
+    // rises takes it (M[t]) and ms[t] = exp(old max - new), 0 on its first block, else ms[t] = 1; S[t] <- S[t]*ms[t] +
+    // the sum of its weights, raw <- the weights exp(raw - M[t]). The caller rescales its V rows by ms.
+    void (*softmax)(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope, float scale,
+                    float softcap, float * M, float * S, float * ms);
     // vkq[t] += sum_u w[u][t] * value u (rotated domain) over nu packed IsoQuant values
     void (*mad)(const struct rq_fa_op * op, int T, int nu, float * vkq, int64_t vkq_stride,
                 const uint8_t * const * vx, const float (*w)[RQ_FA_TILE]);

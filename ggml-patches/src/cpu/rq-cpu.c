@@ -138,31 +138,32 @@ static void fa_score_generic(const struct rq_fa_op * op, const struct rq_fa_qtil
     }
 }
 
-static void fa_logits_generic(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope,
-                              float scale, float softcap, float * bmax) {
+static void fa_softmax_generic(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope, float scale,
+                               float softcap, float * M, float * S, float * ms) {
+    float w[RQ_FA_KB];
     for (int t = 0; t < T; ++t) {
-        bmax[t] = -INFINITY;
+        float bmax = -INFINITY;
         for (int u = 0; u < nu; ++u) {
             float x = raw[u][t]*scale;
             if (softcap != 0.0f) {
                 x = softcap*tanhf(x);
             }
-            raw[u][t] = x + slope[t]*mk[u];
-            bmax[t] = MAX(bmax[t], raw[u][t]);
+            w[u] = x + slope[t]*mk[u];
+            bmax = MAX(bmax, w[u]);
         }
-    }
-}
-
-static void fa_exps_generic(int T, int nu, float (*raw)[RQ_FA_TILE], const float * M, float * S) {
-    float w[RQ_FA_KB];
-    for (int t = 0; t < T; ++t) {
-        for (int u = 0; u < nu; ++u) {
-            w[u] = raw[u][t];
+        ms[t] = 1.0f;
+        if (bmax > M[t]) {
+            ms[t] = iso_expf_ftz(M[t] - bmax); // 0 on the row's first block
+            S[t] *= ms[t];
+            M[t] = bmax;
         }
         S[t] += (float) ggml_vec_soft_max_f32(nu, w, w, M[t]);
         for (int u = 0; u < nu; ++u) {
             raw[u][t] = w[u];
         }
+    }
+    for (int t = T; t < RQ_FA_TILE; ++t) {
+        ms[t] = 1.0f;
     }
 }
 
@@ -185,8 +186,7 @@ const struct rq_fa_kernels ggml_rq_fa_kernels_generic = {
     /* .name   = */ "portable",
     /* .q_tile = */ fa_q_tile_generic,
     /* .score  = */ fa_score_generic,
-    /* .logits = */ fa_logits_generic,
-    /* .exps   = */ fa_exps_generic,
+    /* .softmax = */ fa_softmax_generic,
     /* .mad    = */ fa_mad_generic,
     /* .counter = */ -1,
 };

@@ -141,64 +141,69 @@ static void fa_tile_init(const struct fa_ctx * c, struct fa_tile * tl, int64_t i
 }
 
 // the next visible keys from cell *ic, up to RQ_FA_KB: exact and non-IsoQuant keys scored here, packed IsoQuant keys
-// listed for the score kernel; false when no key is left
+// listed for the score kernel; false when no key is left. The loop runs once per key: what it reads of the op and the
+// tile is in locals first (read through the structs, it cost the whole op ~10%).
 static bool fa_block_gather(const struct fa_ctx * c, const struct fa_tile * tl, int64_t * ic, struct fa_block * b) {
     const struct ggml_tensor * k = c->k, * v = c->v;
-    const int64_t nek1 = k->ne[1], DK = c->op.dk, DV = c->op.dv;
-    b->nu = b->nc = b->nx = b->nk = 0;
-    for (; *ic < nek1 && b->nu < RQ_FA_KB; ++*ic) {
-        const int64_t i  = *ic;
-        const float   mk = tl->mp ? GGML_CPU_FP16_TO_FP32(tl->mp[i]) : 0.0f;
+    const int64_t   nek1   = k->ne[1], DK = c->op.dk, DV = c->op.dv;
+    const size_t    k_nb1  = k->nb[1], v_nb1 = v->nb[1];
+    const char    * k_base = (const char *) k->data + tl->ik2*k->nb[2] + tl->ik3*k->nb[3];
+    const char    * v_base = (const char *) v->data + tl->iv2*v->nb[2] + tl->iv3*v->nb[3];
+    const ggml_fp16_t * mp = tl->mp;
+    const int32_t * xrows  = c->xrows  ? c->xrows  + tl->ik3*nek1 : NULL;
+    const int32_t * xuntil = c->xuntil ? c->xuntil + tl->ik3*nek1 : NULL;
+    const bool      k_iso  = c->op.k_bits != 0;
+    const int       T      = tl->T;
+    int64_t i = *ic;
+    int nu = 0, nc = 0, nx = 0, nk = 0;
+    for (; i < nek1 && nu < RQ_FA_KB; ++i) {
+        const float mk = mp ? GGML_CPU_FP16_TO_FP32(mp[i]) : 0.0f;
         if (mk == -INFINITY) {
             continue;
         }
-        const char * k_data = (const char *) k->data + (i*k->nb[1] + tl->ik2*k->nb[2] + tl->ik3*k->nb[3]);
-        const char * v_data = (const char *) v->data + (i*v->nb[1] + tl->iv2*v->nb[2] + tl->iv3*v->nb[3]);
-        const int32_t xr = c->xrows && (!c->xuntil || tl->qp <= c->xuntil[tl->ik3*nek1 + i]) ? c->xrows[tl->ik3*nek1 + i] : -1;
-        float * s = b->raw[b->nu]; // rows t < T; packed keys' scores are written by the kernel, all lanes
-        b->is_x[b->nu] = xr >= 0;
-        if (xr >= 0 || !c->op.k_bits) {
-            memset(s, 0, sizeof(b->raw[0])); // the lanes of absent rows stay finite
-        }
+        const char  * k_data = k_base + i*k_nb1;
+        const int32_t xr     = xrows && (!xuntil || tl->qp <= xuntil[i]) ? xrows[i] : -1;
+        float * s = b->raw[nu]; // rows t < T; packed keys' scores are written by the kernel, all lanes
+        b->is_x[nu] = xr >= 0;
         if (xr >= 0) {
+            memset(s, 0, sizeof(b->raw[0])); // the lanes of absent rows stay finite
             ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) c->k_x->data + xr*c->k_x->nb[1]) + tl->ik2*DK, b->kx, DK);
-            for (int t = 0; t < tl->T; ++t) {
+            for (int t = 0; t < T; ++t) {
                 ggml_vec_dot_f32(DK, &s[t], 0, b->kx, 0, tl->QR[t], 0, 1);
             }
-            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) c->v_x->data + xr*c->v_x->nb[1]) + tl->iv2*DV, b->vx[b->nx++], DV);
-        } else if (c->op.k_bits) {
-            b->kp[b->nk]   = (const uint8_t *) k_data;
-            b->ku[b->nk++] = b->nu;
+            ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) ((const char *) c->v_x->data + xr*c->v_x->nb[1]) + tl->iv2*DV, b->vx[nx++], DV);
         } else {
-            for (int t = 0; t < tl->T; ++t) {
-                c->kq_vec_dot(DK, &s[t], 0, k_data, 0, tl->Q32[t], 0, 1);
+            if (k_iso) {
+                b->kp[nk]   = (const uint8_t *) k_data;
+                b->ku[nk++] = nu;
+            } else {
+                memset(s, 0, sizeof(b->raw[0]));
+                for (int t = 0; t < T; ++t) {
+                    c->kq_vec_dot(DK, &s[t], 0, k_data, 0, tl->Q32[t], 0, 1);
+                }
             }
+            b->vp[nc++] = (const uint8_t *) (v_base + i*v_nb1);
         }
-        if (xr < 0) {
-            b->vp[b->nc++] = (const uint8_t *) v_data;
-        }
-        b->mkv[b->nu++] = mk;
+        b->mkv[nu++] = mk;
     }
-    return b->nu > 0;
+    *ic = i;
+    b->nu = nu; b->nc = nc; b->nx = nx; b->nk = nk;
+    return nu > 0;
 }
 
-// the block's online-softmax update: scores to logits, at most one rescale of each row's V, the weights in place
+// the block's online-softmax update: scores to weights in place, at most one rescale of each row's V (a scale by
+// exactly 1 would change no bit, so ms = 1 stands for "no rescale")
 static void fa_block_softmax(const struct fa_ctx * c, struct fa_tile * tl, struct fa_block * b) {
-    const int64_t DV = c->op.dv;
-    float bmax[RQ_FA_TILE];
-    c->kern->logits(tl->T, b->nu, b->raw, b->mkv, tl->slope, c->scale, c->softcap, bmax);
+    float ms[RQ_FA_TILE];
+    c->kern->softmax(tl->T, b->nu, b->raw, b->mkv, tl->slope, c->scale, c->softcap, tl->M, tl->S, ms);
     for (int t = 0; t < tl->T; ++t) {
-        if (bmax[t] > tl->M[t]) {
-            const float ms = iso_expf_ftz(tl->M[t] - bmax[t]); // 0 on the row's first block
-            ggml_vec_scale_f32(DV, tl->VKQ[t], ms);
+        if (ms[t] != 1.0f) {
+            ggml_vec_scale_f32(c->op.dv, tl->VKQ[t], ms[t]);
             if (c->xrows) {
-                ggml_vec_scale_f32(DV, tl->VKX[t], ms);
+                ggml_vec_scale_f32(c->op.dv, tl->VKX[t], ms[t]);
             }
-            tl->S[t] *= ms;
-            tl->M[t] = bmax[t];
         }
     }
-    c->kern->exps(tl->T, b->nu, b->raw, tl->M, tl->S);
 }
 
 // V of the block: packed values by the kernel (rotated domain), exact ones in floats (unrotated)

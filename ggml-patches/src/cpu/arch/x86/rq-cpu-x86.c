@@ -239,10 +239,11 @@ static void fa_score_avx2(const struct rq_fa_op * op, const struct rq_fa_qtile *
     iso_score_rows(T, nk, op->dk, xs, us, qt->qi, &L, op->k_bits, op->k_qk, raw);
 }
 
-// a key's scaled, biased scores, the block max, exps and sums of all rows at once; each lane's arithmetic is its
-// row's alone, so a row's result does not depend on the tile it is in
-static void fa_logits_avx2(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope,
-                           float scale, float softcap, float * bmax) {
+// the block's online softmax with the tile's rows in the lanes: a key's scaled, biased scores, the block max, exps and
+// sums of all rows at once; each lane's arithmetic is its row's alone, so a row's result does not depend on the tile
+// it is in. The weights overwrite the scores in place, [key][row].
+static void fa_softmax_avx2(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope, float scale,
+                            float softcap, float * M, float * S, float * ms) {
     if (softcap != 0.0f) {
         for (int u = 0; u < nu; ++u) {
             for (int t = 0; t < T; ++t) {
@@ -258,10 +259,16 @@ static void fa_logits_avx2(int T, int nu, float (*raw)[RQ_FA_TILE], const float 
         _mm256_storeu_ps(raw[u], x);
         bm = _mm256_max_ps(bm, x);
     }
-    _mm256_storeu_ps(bmax, bm);
-}
-
-static void fa_exps_avx2(int T, int nu, float (*raw)[RQ_FA_TILE], const float * M, float * S) {
+    float bmx[RQ_FA_TILE];
+    _mm256_storeu_ps(bmx, bm);
+    for (int t = 0; t < RQ_FA_TILE; ++t) {
+        ms[t] = 1.0f;
+        if (t < T && bmx[t] > M[t]) {
+            ms[t] = iso_expf_ftz(M[t] - bmx[t]); // 0 on the row's first block
+            S[t] *= ms[t];
+            M[t] = bmx[t];
+        }
+    }
     const __m256 vm = _mm256_loadu_ps(M);
     __m256 vs = _mm256_setzero_ps();
     for (int u = 0; u < nu; ++u) {
@@ -286,8 +293,7 @@ const struct rq_fa_kernels ggml_rq_fa_kernels_avx2 = {
     /* .name    = */ "avx2",
     /* .q_tile  = */ fa_q_tile_avx2,
     /* .score   = */ fa_score_avx2,
-    /* .logits  = */ fa_logits_avx2,
-    /* .exps    = */ fa_exps_avx2,
+    /* .softmax = */ fa_softmax_avx2,
     /* .mad     = */ fa_mad_avx2,
     /* .counter = */ -1,
 };

@@ -1,6 +1,6 @@
 // RotaryQuant fused attention, AVX-512 kernels (VNNI keys, BF16 values) for x86-64-v3 builds on CPUs that have them
 // (Zen 4, Sapphire Rapids): each function carries its own target attribute, and ggml_rq_fa_avx512_init checks the
-// CPU once, so one build runs everywhere. Logits and exps are the AVX2 kernels'.
+// CPU once, so one build runs everywhere. The softmax is the AVX2 kernels'.
 
 #include "../../rq-cpu-impl.h"
 
@@ -293,21 +293,16 @@ static void fa_mad_avx512(const struct rq_fa_op * op, int T, int nu, float * vkq
     iso_mad_rows_bf16(T, nu, op->dv, vkq, vkq_stride, vx, w, rq_tab16[op->v_bits][op->v_qk == QK_ISO ? 0 : 1], op->v_bits, op->v_qk);
 }
 
-static void fa_logits_avx512(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope,
-                             float scale, float softcap, float * bmax) {
-    ggml_rq_fa_kernels_avx2.logits(T, nu, raw, mk, slope, scale, softcap, bmax);
-}
-
-static void fa_exps_avx512(int T, int nu, float (*raw)[RQ_FA_TILE], const float * M, float * S) {
-    ggml_rq_fa_kernels_avx2.exps(T, nu, raw, M, S);
+static void fa_softmax_avx512(int T, int nu, float (*raw)[RQ_FA_TILE], const float * mk, const float * slope, float scale,
+                              float softcap, float * M, float * S, float * ms) {
+    ggml_rq_fa_kernels_avx2.softmax(T, nu, raw, mk, slope, scale, softcap, M, S, ms);
 }
 
 const struct rq_fa_kernels ggml_rq_fa_kernels_avx512 = {
     /* .name    = */ "avx512",
     /* .q_tile  = */ fa_q_tile_avx512,
     /* .score   = */ fa_score_avx512,
-    /* .logits  = */ fa_logits_avx512,
-    /* .exps    = */ fa_exps_avx512,
+    /* .softmax = */ fa_softmax_avx512,
     /* .mad     = */ fa_mad_avx512,
     /* .counter = */ GGML_RQ_ISO_AVX512_CALLS,
 };
