@@ -166,10 +166,14 @@ void llama_rq_load_k_center(llama_model_loader & ml, const llama_hparams & hpara
 // uncentred, 0.093 with 1024 random tokens, 0.119 with 256 tokens of Shakespeare, 0.079 with rq-calibrate's 4096.
 // The tokens come from a fixed mt19937 stream (portable), so the statistics depend on the model only and saved states
 // stay valid. RQ_SELF_METHOD names this recipe in stats files (with the token count, checked too): change it with the
-// recipe, and older files are measured again instead of used. 320 tokens: 4.3 s on Qwen2.5-1.5B with 2 threads
-// (1024: 13.9 s), 2K KLD of isoquant3_0 0.0234 / 0.0224 on Gemma3 / Qwen (1024: 0.0228 / 0.0209; a different draw
-// moves it by ~10% either way: docs/k-center.md).
-static constexpr uint32_t RQ_SELF_TOKENS = 320;
+// recipe, and older files are measured again instead of used. The token count is sized by compute: RQ_SELF_BUDGET
+// parameter-tokens, 320 tokens of Qwen2.5-1.5B (1.78e9 parameters: 4.3 s with 2 threads, 1024 took 13.9 s), within
+// [RQ_SELF_TOKENS_MIN, RQ_SELF_TOKENS_MAX]: a small model gets 1024 for a second or two, which its far positions need
+// (40 tokens per start position estimate mu there worse than 128: decode KLD after an 8K prompt, Gemma3-270M 0.0316
+// with 1024 tokens, 0.0405 with 320; docs/k-center.md), and a large one never pays more than 320 tokens' time.
+static constexpr double   RQ_SELF_BUDGET     = 5.7e11;
+static constexpr uint32_t RQ_SELF_TOKENS_MIN = 320;
+static constexpr uint32_t RQ_SELF_TOKENS_MAX = 1024;
 static constexpr uint32_t RQ_SELF_SEQS   = 8;
 static constexpr uint32_t RQ_SELF_METHOD = 2;
 static constexpr float    RQ_LAM_MIN = 1.0f/256, RQ_LAM_MAX = 256.0f; // rq-calibrate's clip (converter/kcenter.py)
@@ -251,16 +255,20 @@ static bool rq_kc_cb(ggml_tensor * t, bool ask, void * ud) {
     return true;
 }
 
-// the tokens the recipe measures on: RQ_SELF_TOKENS, fewer for a model trained on fewer positions
-static uint32_t rq_self_n_tokens(const llama_hparams & hp) {
-    const uint32_t n = std::min<uint32_t>(RQ_SELF_TOKENS, hp.n_ctx_train > 0 ? hp.n_ctx_train : RQ_SELF_TOKENS);
+// the tokens the recipe measures on: RQ_SELF_BUDGET over the model's parameters, clamped; fewer for a model trained on
+// fewer positions
+static uint32_t rq_self_n_tokens(const llama_model & model) {
+    const llama_hparams & hp = model.hparams;
+    const double   by_compute = RQ_SELF_BUDGET/std::max<double>((double) model.n_elements(), 1.0);
+    const uint32_t n_want     = (uint32_t) std::clamp(by_compute, (double) RQ_SELF_TOKENS_MIN, (double) RQ_SELF_TOKENS_MAX);
+    const uint32_t n          = std::min<uint32_t>(n_want, hp.n_ctx_train > 0 ? hp.n_ctx_train : n_want);
     return n/RQ_SELF_SEQS*RQ_SELF_SEQS;
 }
 
 static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_k_center_self & out) {
     const llama_hparams & hp    = model.hparams;
     const llama_vocab   & vocab = model.vocab;
-    const uint32_t n_tok = rq_self_n_tokens(hp);
+    const uint32_t n_tok = rq_self_n_tokens(model);
 
     std::vector<llama_token> ordinary;
     for (llama_token t = 0; t < (llama_token) vocab.n_tokens(); ++t) {
@@ -358,7 +366,8 @@ static std::string rq_k_stats_file(const std::string & path, const std::string &
 }
 
 // "" when the file holds this model's statistics (then in out), else why it is refused
-static std::string rq_k_stats_read(const std::string & file, const llama_hparams & hp, llama_rq_k_center_self & out) {
+static std::string rq_k_stats_read(const std::string & file, const llama_model & model, llama_rq_k_center_self & out) {
+    const llama_hparams & hp = model.hparams;
     gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
     gguf_context_ptr ctx(gguf_init_from_file(file.c_str(), gp));
     if (!ctx) {
@@ -381,9 +390,9 @@ static std::string rq_k_stats_read(const std::string & file, const llama_hparams
     }
     const int64_t method = u32("rotaryquant.k_stats.method");
     const int64_t n_tok  = u32("rotaryquant.k_stats.n_tokens");
-    if (method != RQ_SELF_METHOD || n_tok != rq_self_n_tokens(hp)) {
+    if (method != RQ_SELF_METHOD || n_tok != rq_self_n_tokens(model)) {
         return format("stale: measured by another recipe (rotaryquant.k_stats.method %lld on %lld tokens, this "
-                      "build's %u on %u)", (long long) method, (long long) n_tok, RQ_SELF_METHOD, rq_self_n_tokens(hp));
+                      "build's %u on %u)", (long long) method, (long long) n_tok, RQ_SELF_METHOD, rq_self_n_tokens(model));
     }
     try {
         llama_rq_k_center_data d;
@@ -450,7 +459,7 @@ bool llama_rq_measure_k_stats(llama_model * model, const char * path, int32_t n_
     const int64_t t0 = ggml_time_us();
     std::error_code ec;
     if (!file.empty() && std::filesystem::exists(std::filesystem::u8path(file), ec)) {
-        const std::string why = rq_k_stats_read(file, model->hparams, *s);
+        const std::string why = rq_k_stats_read(file, *model, *s);
         if (why.empty()) {
             s->secs = (ggml_time_us() - t0)/1e6;
             s->source = format("loaded from %s in %.2f s; measured once on %u tokens in %.1f s", file.c_str(), s->secs,
@@ -462,7 +471,7 @@ bool llama_rq_measure_k_stats(llama_model * model, const char * path, int32_t n_
         LLAMA_LOG_WARN("%s: K statistics in %s refused: %s; measuring them again\n", __func__, file.c_str(), why.c_str());
     }
     LLAMA_LOG_INFO("%s: the model has no rotaryquant.k_center calibration: measuring K statistics for K centring on "
-        "%u pseudo-random tokens (once per model%s)\n", __func__, rq_self_n_tokens(model->hparams), file.empty() ? "" : ", kept for later starts");
+        "%u pseudo-random tokens (once per model%s)\n", __func__, rq_self_n_tokens(*model), file.empty() ? "" : ", kept for later starts");
     if (!rq_k_stats_measure(*model, n_threads, *s)) {
         LLAMA_LOG_WARN("%s: measuring K statistics failed (no ordinary tokens, or the pass failed)\n", __func__);
         return false;
