@@ -287,8 +287,9 @@ def table() -> str:
     foot = [
         "",
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
-        "² another run (kv-bench-deferred). ³ one forward pass over 320 pseudo-random tokens at the first start "
-        "(docs/k-center.md): 0.8 s on Gemma3, 4.0 s on Qwen2.5-1.5B with 2 cores, then kept in llama.cpp's cache "
+        "² another run (kv-bench-deferred). ³ one forward pass over 320–1024 pseudo-random tokens (sized by the model's "
+        "parameters) at the first start (docs/k-center.md): 1.9 s on Gemma3 (1024), 4.1 s on Qwen2.5-1.5B (320) with 2 "
+        "cores, then kept in llama.cpp's cache "
         "directory (`--k-stats`); rq-calibrate stores statistics in the model file instead. "
         f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
         "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 2·16 rows per "
