@@ -22,13 +22,7 @@ fi
 ci_check_tree
 
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
-    [ "$(id -u)" = 0 ] || die "needs gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user (apt-get install, as root)"
-    log "installing the aarch64 cross toolchain and qemu-user (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    pkgs=(gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user)
-    apt-get install -y -q --no-install-recommends "${pkgs[@]}" > /dev/null 2>&1 \
-        || { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends "${pkgs[@]}" > /dev/null; } \
-        || die "apt-get install ${pkgs[*]} failed"
+    ci_apt_install "the aarch64 cross toolchain and qemu-user" gcc-aarch64-linux-gnu g++-aarch64-linux-gnu qemu-user
 fi
 
 CI_TARGETS="test-backend-ops test-quantize-fns test-rq-attn test-rq-itq3"

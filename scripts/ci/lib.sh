@@ -27,6 +27,18 @@ export CCACHE_BASEDIR=${CCACHE_BASEDIR:-$REPO}   # hits across clones at other p
 export CCACHE_NOHASHDIR=${CCACHE_NOHASHDIR:-1}
 export PATH=$PATH:$REPO/.venv/bin                 # cmake/ninja from pip when the system lacks them
 
+# ci_apt_install WHAT PKG...: Debian packages a job needs (as root; the package lists refreshed only if the first
+# try fails), WHAT named in the log
+ci_apt_install() {
+    local what=$1; shift
+    [ "$(id -u)" = 0 ] || die "needs $* (apt-get install, as root)"
+    log "installing $what (apt-get)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" > /dev/null 2>&1 \
+        || { apt-get update -q > /dev/null 2>&1 \
+             && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "$@" > /dev/null; } \
+        || die "apt-get install $* failed"
+}
+
 ci_check_tree() {
     [ -e "$LLAMA/ggml/src/ggml-rq" ] || die "$LLAMA is not a patched tree; run 'make setup' first"
 }

@@ -28,11 +28,7 @@ export GGML_VK_VISIBLE_DEVICES=${GGML_VK_VISIBLE_DEVICES:-0}   # ggml-vulkan ski
 
 # lavapipe (Mesa's CPU Vulkan driver): the device these tests run on when the machine has no GPU
 if ! ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    log "installing Mesa's Vulkan drivers (lavapipe; apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q --no-install-recommends mesa-vulkan-drivers vulkan-tools > /dev/null 2>&1 \
-        || { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends mesa-vulkan-drivers vulkan-tools > /dev/null; } \
-        || die "apt-get install mesa-vulkan-drivers vulkan-tools failed"
+    ci_apt_install "Mesa's Vulkan drivers (lavapipe)" mesa-vulkan-drivers vulkan-tools
 fi
 
 t=$(date +%s)

@@ -21,13 +21,7 @@ ci_check_tree
 
 WINE=$(command -v wine64 || echo /usr/lib/wine/wine64)   # Debian's wine64 package has no /usr/bin entry
 if ! command -v x86_64-w64-mingw32-g++-posix >/dev/null || [ ! -x "$WINE" ]; then
-    [ "$(id -u)" = 0 ] || die "needs gcc-mingw-w64-x86-64-posix g++-mingw-w64-x86-64-posix wine64 (apt-get install, as root)"
-    log "installing mingw-w64 and wine64 (apt-get)"
-    export DEBIAN_FRONTEND=noninteractive
-    pkgs=(gcc-mingw-w64-x86-64-posix g++-mingw-w64-x86-64-posix wine64)
-    apt-get install -y -q --no-install-recommends "${pkgs[@]}" > /dev/null 2>&1 \
-        || { apt-get update -q > /dev/null 2>&1 && apt-get install -y -q --no-install-recommends "${pkgs[@]}" > /dev/null; } \
-        || die "apt-get install ${pkgs[*]} failed"
+    ci_apt_install "mingw-w64 and wine64" gcc-mingw-w64-x86-64-posix g++-mingw-w64-x86-64-posix wine64
 fi
 
 CI_TARGETS="test-backend-ops test-quantize-fns test-rq-attn test-rq-itq3"

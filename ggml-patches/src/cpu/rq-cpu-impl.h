@@ -108,7 +108,6 @@ struct rq_fa_qtile {
 // hold finite values that no row reads. Per row, a kernel's operations and their order never depend on T or on
 // which other rows share the tile (batch invariance).
 struct rq_fa_kernels {
-    const char * name;
     void (*q_tile)(const struct rq_fa_op * op, int T, const float * q, int64_t q_stride, struct rq_fa_qtile * qt);
     // raw[us[j]][t] = <row t, key xs[j]> for nk packed IsoQuant keys
     void (*score)(const struct rq_fa_op * op, const struct rq_fa_qtile * qt, int T, int nk,

@@ -183,11 +183,10 @@ static void fa_mad_generic(const struct rq_fa_op * op, int T, int nu, float * vk
 }
 
 const struct rq_fa_kernels ggml_rq_fa_kernels_generic = {
-    /* .name   = */ "portable",
-    /* .q_tile = */ fa_q_tile_generic,
-    /* .score  = */ fa_score_generic,
+    /* .q_tile  = */ fa_q_tile_generic,
+    /* .score   = */ fa_score_generic,
     /* .softmax = */ fa_softmax_generic,
-    /* .mad    = */ fa_mad_generic,
+    /* .mad     = */ fa_mad_generic,
     /* .counter = */ -1,
 };
 
@@ -207,10 +206,6 @@ void ggml_rq_cpu_init(void) {
 const struct rq_fa_kernels * ggml_rq_fa_kernels(void) {
     GGML_ASSERT(rq_fa_best && "ggml_cpu_init() has not run");
     return ggml_rq_cpu_get_avx512() ? rq_fa_best : rq_fa_base;
-}
-
-const char * ggml_rq_cpu_fa_kernels_name(void) {
-    return rq_fa_best ? ggml_rq_fa_kernels()->name : NULL;
 }
 
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref) {

@@ -57,9 +57,8 @@ bool ggml_rq_fa_iso_split(const struct ggml_compute_params * params, struct ggml
 // whether ggml_rq_fa_iso_rows takes this FLASH_ATTN_EXT (IsoQuant V, head sizes it has room for); else upstream's path
 bool ggml_rq_fa_iso_takes(const struct ggml_tensor * dst);
 
-// picks the fused attention's kernels for this CPU, once (ggml_cpu_init); their name ("avx512", "avx2", "neon", ...)
-void         ggml_rq_cpu_init(void);
-const char * ggml_rq_cpu_fa_kernels_name(void);
+// picks the fused attention's kernels for this CPU, once (ggml_cpu_init)
+void ggml_rq_cpu_init(void);
 
 // counts flash-attention ops that touch IsoQuant K/V (fused vs reference path)
 void ggml_rq_fa_count(enum ggml_type type_k, enum ggml_type type_v, bool use_ref);

@@ -290,7 +290,6 @@ static void fa_mad_avx2(const struct rq_fa_op * op, int T, int nu, float * vkq, 
 }
 
 const struct rq_fa_kernels ggml_rq_fa_kernels_avx2 = {
-    /* .name    = */ "avx2",
     /* .q_tile  = */ fa_q_tile_avx2,
     /* .score   = */ fa_score_avx2,
     /* .softmax = */ fa_softmax_avx2,

@@ -299,7 +299,6 @@ static void fa_softmax_avx512(int T, int nu, float (*raw)[RQ_FA_TILE], const flo
 }
 
 const struct rq_fa_kernels ggml_rq_fa_kernels_avx512 = {
-    /* .name    = */ "avx512",
     /* .q_tile  = */ fa_q_tile_avx512,
     /* .score   = */ fa_score_avx512,
     /* .softmax = */ fa_softmax_avx512,
