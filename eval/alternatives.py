@@ -204,41 +204,6 @@ def report_section(results: Path) -> list[str]:
         lines += [f"- {MODELS.get(m, m)}, `{label}`: {e}: {why}" for m, label, e, why in failed] + [""]
     files = sorted({f for cs in data.values() for c in cs.values() for f in c["files"]})
     lines += ["Sources (each row's exact command is in its file): " + ", ".join(f"[{f}]({f})" for f in files), ""]
-    return lines + weights_section(results)
-
-
-WEIGHT_HEAD = ["| variant | bits/weight | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|---:|"]
-
-
-def weight_rows(rows: list[dict]) -> list[str]:
-    """rq-eval versus-weights' quality rows as table lines (WEIGHT_HEAD): a variant that failed says how."""
-    out = []
-    for r in rows:
-        if "error" in r:
-            out.append(f"| {r['label']} | did not run ({r['error']}: {' / '.join(r.get('log_tail', [])[-1:])}) | | | | | |")
-            continue
-        d = r["ppl"] - r["ppl_base"] if r.get("ppl_base") is not None else None
-        out.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
-                   f"| {_f(r['kld_mean'])} | {_f(r['kld_p99'], 3)} | {_f(r['same_top_p'], 1)} |")
-    return out
-
-
-def weights_section(results: Path) -> list[str]:
-    """REPORT's weight rows (rq-eval versus-weights): every variant of every build on the same F16 requantisation,
-    each scored against its own build's F16 logits; bits per weight from the file's size."""
-    lines: list[str] = []
-    for f in sorted(results.glob("versus-weights-*.json")):
-        res = json.loads(f.read_text())
-        rows = res.get("quality") or []
-        if not rows:
-            continue
-        lines += [f"### Weights: {MODELS.get(res['model'], res['model'])}", "",
-                  f"Each build quantises the same F16 requantisation with its own llama-quantize (+imat: its own "
-                  f"llama-imatrix over {res['calib_tokens']} calibration tokens) and scores it with its own "
-                  f"llama-perplexity (ctx {res['ctx']}, {res['chunks']} chunks) against its own F16. Source: "
-                  f"[{f.name}]({f.name}).", "",
-                  *WEIGHT_HEAD, *weight_rows(sorted(rows, key=lambda r: (r.get("bpw") or 99, r["label"])))]
-        lines.append("")
     return lines
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rotaryquant.converter.recipes import RECIPES
-from rotaryquant.eval import alternatives
 from rotaryquant.eval import builds as B
 from rotaryquant.eval import perplexity, weights, weightspeed
 from rotaryquant.eval.versus import VersusError, _failure, _run, split_spec
@@ -164,7 +163,14 @@ def to_markdown(res: dict) -> str:
              f"over the first {res['calib_tokens']} tokens of the calibration slice) and scores it with its own "
              f"llama-perplexity (ctx {res['ctx']}, {res['chunks']} chunks of the evaluation slice) against its own F16 "
              "logits. bpw: file bytes × 8 / parameters.", "",
-             *alternatives.WEIGHT_HEAD, *alternatives.weight_rows(res.get("quality", []))]
+             "| variant | bpw | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in res.get("quality", []):
+        if "error" in r:
+            lines.append(f"| {r['label']} | – | did not run ({r['error']}: {' / '.join(r['log_tail'][-1:])}) | | | | |")
+            continue
+        d = r["ppl"] - r["ppl_base"] if r.get("ppl_base") is not None else None
+        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
+                     f"| {f(r['kld_mean'])} | {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} |")
     sp = res.get("speed") or []
     if sp:
         lines += ["", "Speed: llama-bench of the same build, interleaved rounds; ratio = median of the per-round ratios "

@@ -123,21 +123,3 @@ def test_needles_verdict_counts_ours_against_each_peer_under_the_budget(results)
     data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 6
     with pytest.raises(alt.VerdictError, match="needles"):
         alt.verdicts(data)
-
-
-def test_weights_section_lists_every_variant_by_size_with_failures(results):
-    rows = [{"label": "ik:IQ3_KT+imat", "build": "ik", "bpw": 3.3, "ppl": 11.0, "ppl_base": 10.0, "kld_mean": 0.09,
-             "kld_p99": 0.6, "same_top_p": 85.0},
-            {"label": "ours:itq3-m", "build": "ours", "bpw": 3.9, "ppl": 10.5, "ppl_base": 10.0, "kld_mean": 0.10,
-             "kld_p99": 0.7, "same_top_p": 84.0},
-            {"label": "ik:IQ2_KT+imat", "build": "ik", "error": "killed by signal 9", "log_tail": ["oom"]}]
-    (results / "versus-weights-qwen.json").write_text(json.dumps(
-        {"model": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "ctx": 512, "chunks": 10, "calib_tokens": 4096,
-         "quality": rows}))
-    md = alt.report_section(results)
-    i = md.index("### Weights: Qwen2.5-Coder-1.5B")
-    table = [ln for ln in md[i:] if ln.startswith("| ") and not ln.startswith("| variant")]
-    assert table[0] == "| ik:IQ3_KT+imat | 3.300 | 11.000 | +1.000 | 0.0900 | 0.600 | 85.0 |"
-    assert table[1].startswith("| ours:itq3-m | 3.900 | 10.500 | +0.500 | 0.1000 |")
-    assert table[2] == "| ik:IQ2_KT+imat | did not run (killed by signal 9: oom) | | | | | |"
-    assert "[versus-weights-qwen.json](versus-weights-qwen.json)" in md[i + 2]
