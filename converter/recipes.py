@@ -104,6 +104,13 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
             R.OTHER: QT.Q8_0}, token_embd=QT.ITQ3_S, output=None, promote=False,
            rules=(Rule(r"attn_[kv]\.", (R.ATTENTION,), QT.Q6_K),
                   Rule(r"ffn_down\.", (R.FFN_DENSE,), QT.Q4_K, outer_layers=True))),
+    # IQ3_KT's size (ik_llama.cpp's trellis type, 3.54 bpw on Qwen2.5-1.5B with its own Q5_K head): the lookup and
+    # the head are where a 3-bit file's size goes, so the head takes Q5_K and the saving keeps attn_k/attn_v at Q6_K
+    Recipe("itq3-s", "ITQ3_S mixture at IQ3_KT's size: untied token embeddings ITQ3_S (a lookup), output Q5_K, "
+           "attn_k/attn_v Q6_K, the rest ITQ3_S",
+           {R.ATTENTION: QT.ITQ3_S, R.FFN_DENSE: QT.ITQ3_S, R.FFN_ROUTED: QT.ITQ3_S, R.FFN_SHARED: QT.ITQ3_S,
+            R.OTHER: QT.Q8_0}, token_embd=QT.ITQ3_S, output=QT.Q5_K, promote=False,
+           rules=(Rule(r"attn_[kv]\.", (R.ATTENTION,), QT.Q6_K),)),
     _mixed("rotaryquant-itq3", "the paper's roles with ITQ3_S where 4-bit was; routed experts stay Q2_K, "
            "shared experts Q8_0", QT.ITQ3_S, QT.ITQ3_S, QT.Q2_K, QT.Q8_0),
     _flat("f16", QT.F16), _flat("bf16", QT.BF16), _flat("q8_0", QT.Q8_0), _flat("f32", QT.F32),

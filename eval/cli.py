@@ -228,7 +228,8 @@ def cmd_versus_weights(ns: argparse.Namespace) -> None:
     measures = _names(ns.measure)
     if "quality" in measures:
         rows = vw.quality(blds, variants, model, work, data.evaluation_text(), data.calibration_text(), ctx=ns.ctx,
-                          chunks=ns.chunks, imatrix_chunks=ns.imatrix_chunks, threads=ns.threads)
+                          chunks=ns.chunks, imatrix_chunks=ns.imatrix_chunks, threads=ns.threads,
+                          reuse=ns.reuse_quantized)
         res["quality"] = [r for r in res.get("quality", []) if r["label"] not in labels] + rows
         _write(ns.out, res, vw.to_markdown(res), echo=False)
     if "speed" in measures:
@@ -464,6 +465,9 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     vw.add_argument("--workdir", type=Path, help="F16 file, logits, importance matrices and quantised files "
                                                  "(default: build/versus-weights/MODEL)")
     vw.add_argument("--merge", action="store_true", help="keep the existing output's other rows")
+    vw.add_argument("--reuse-quantized", action="store_true",
+                    help="score a variant's quantised file already in the workdir instead of quantising it again "
+                         "(the row then has no quantize time); for types that take an hour to quantise")
 
     g = add("gate", "12-prompt quality gate (instruction model): pass/fail per KV type", cmd_gate, out="gate",
             model="GGUF of an instruction model (default: Qwen2.5-Coder-1.5B-Instruct, the optional asset; "

@@ -64,9 +64,11 @@ def _check(rc: int, out: str, err: str, cmd: list[str], what: str) -> None:
 
 def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, work: Path, eval_text: Path,
             calib_text: Path, *, ctx: int = 512, chunks: int = 10, imatrix_chunks: int = 8, threads: int = 2,
-            progress: Callable[[str], None] = print) -> list[dict]:
+            reuse: bool = False, progress: Callable[[str], None] = print) -> list[dict]:
     """Per build: F16 logits, an importance matrix if a variant needs one, then each variant quantised and scored.
-    Quantised files stay in ``work`` (the speed rounds read them); a variant that fails is a row with its error."""
+    Quantised files stay in ``work`` (the speed rounds read them); a variant that fails is a row with its error.
+    ``reuse`` scores a variant's file already in ``work`` instead of quantising again: a file there is complete,
+    since it is renamed from ``.partial`` only when its quantiser succeeded."""
     work.mkdir(parents=True, exist_ok=True)
     f16 = weights.requantize_f16(src, work / f"{src.stem}.F16.gguf")
     n_params = weights._n_params(f16)
@@ -105,12 +107,16 @@ def quality(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path,
                        v.ftype, "--no-promote", "--threads", str(threads), "--no-progress", "--table", "none",
                        "--calibrate", str(calib_text), *v.args]
             row["quantize_command"] = shlex.join(cmd)
-            rc, out, err, _ = _run(cmd)
-            if rc != 0:
-                rows.append({**row, **_failure(rc, out + err), "command": shlex.join(cmd)})
-                continue
-            Path(str(q) + ".partial").replace(q)
-            row["quantize_s"] = round(time.time() - t0, 1)
+            if reuse and q.exists():
+                row["reused_file"] = True
+                progress(f"[rq-eval versus-weights]   scoring the existing {q.name}")
+            else:
+                rc, out, err, _ = _run(cmd)
+                if rc != 0:
+                    rows.append({**row, **_failure(rc, out + err), "command": shlex.join(cmd)})
+                    continue
+                Path(str(q) + ".partial").replace(q)
+                row["quantize_s"] = round(time.time() - t0, 1)
             cmd = [*ppl_cmd, "-m", str(q), "--kl-divergence-base", str(base), "--kl-divergence"]
             rc, out, err, secs = _run(cmd)
             row["command"] = shlex.join(cmd)

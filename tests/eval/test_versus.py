@@ -205,3 +205,34 @@ def test_a_configuration_may_name_its_own_file_of_the_model():
     assert c.args() == ["-ctk", "isoquant3_0", "-ctv", "isoquant3_0", "--kv-layer-types", "model"]
     assert c.label == "ours:isoquant3_0 --kv-layer-types model model=g3-alloc.gguf"
     assert versus.parse_config("ours:q8_0", ["ours"]).model is None
+
+
+def test_reuse_scores_an_existing_file_and_otherwise_quantises(tmp_path, monkeypatch):
+    from rotaryquant.eval import versus_weights as vw
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for t in ("llama-perplexity", "llama-quantize", "llama-imatrix"):
+        (bin_dir / t).touch()
+    b = builds.Build("ik", bin_dir, tmp_path)
+    ran: list[str] = []
+
+    def fake_run(cmd, *a, **k):
+        tool = cmd[0].rsplit("/", 1)[-1]
+        ran.extend([] if "--help" in cmd else [tool])
+        if tool == "llama-quantize":
+            (tmp_path / "w" / "ik-Q4_0.gguf.partial").write_bytes(b"x" * 100)
+        return 0, "Mean PPL(Q) : 10.0 ± 0.1\nMean KLD: 0.1 ± 0.01\n99.0% KLD: 0.5\n", "", 1.0
+
+    monkeypatch.setattr(vw, "_run", fake_run)
+    monkeypatch.setattr(vw.weights, "requantize_f16", lambda src, dst: dst)
+    monkeypatch.setattr(vw.weights, "_n_params", lambda f: 200)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "ik.F16.c512x10.kld").touch()
+    v = [vw.parse_variant("ik:Q4_0", ["ik"])]
+    args = ({"ik": b}, v, tmp_path / "m.gguf", tmp_path / "w", tmp_path / "e.txt", tmp_path / "c.txt")
+    row, = vw.quality(*args, progress=lambda s: None)
+    assert ran == ["llama-quantize", "llama-perplexity"] and "quantize_s" in row and row["bpw"] == 4.0
+    ran.clear()
+    row, = vw.quality(*args, reuse=True, progress=lambda s: None)
+    assert ran == ["llama-perplexity"] and row["reused_file"] and "quantize_s" not in row and row["kld_mean"] == 0.1

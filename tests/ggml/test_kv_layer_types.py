@@ -10,6 +10,7 @@ context with a message that names the fix.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import gguf
@@ -162,3 +163,69 @@ def test_server_slots_under_load_answer_as_alone_on_a_mixed_cache(gemma3, monkey
                         progress=lambda *_: None)
     assert r.requests == 8 and r.failures == 0 and r.empty == 0
     assert r.mismatches == 0, r.examples
+
+
+# --- the default (no kv_layer_types): 4-bit K on full-attention layers of a sliding-window model, within 3.5 bits ---
+
+def _start_log(bin_dir, model, n_ctx: int, *extra: str) -> str:
+    cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "1", "-no-cnv", "-t", "2",
+           "-c", str(n_ctx), "--no-warmup", "-fa", "on", "-ctk", "isoquant3_0", "-ctv", "isoquant3_0", "-lv", "4",
+           *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("n_ctx,layers", [(2048, None), (8192, "11"), (32768, "5 11")])
+def test_default_types_are_within_the_budget_that_the_caches_log(bin_dir, gemma3, n_ctx, layers):
+    from rotaryquant.eval import versus
+
+    shape = versus.kv_shape(gemma3)
+    log = _start_log(bin_dir, gemma3, n_ctx)
+    line = next(ln for ln in log.splitlines() if "per-layer K/V types" in ln)
+    logged = versus.kv_bits(log, shape)["bits_per_value"]
+    if layers is None:  # 2K: the window's rows alone take Gemma3 past 3.5 bits
+        assert "uniform" in line and logged > 3.5, line
+        return
+    assert f"layer(s) {layers} at 4 bits" in line, line
+    predicted = float(re.search(r"at 4 bits, ([\d.]+) bits/value", line).group(1))
+    # the log prints each cache's K, V and window in MiB to 2 decimals (Gemma3's whole cache is ~8 MiB at 8K), the
+    # prediction in bits to 2 decimals: they agree within those roundings
+    b = versus.kv_bits(log, shape)
+    figures = 3 * len(re.findall(r"llama_kv_cache: size =", log))
+    tol = figures * 0.005 * b["bits_per_value"] / b["kv_mib"] + 0.005
+    assert abs(predicted - logged) <= tol and logged <= 3.5, (line, logged, tol)
+    # one more full layer would not fit: the budget, not the order, stops the rule
+    more = sorted({5, 11, 17} - {int(x) for x in layers.split()})[0]
+    spec = ",".join(f"{i}=isoquant4_0/isoquant3_0" for i in [*layers.split(), more])
+    assert versus.kv_bits(_start_log(bin_dir, gemma3, n_ctx, "--kv-layer-types", spec), shape)["bits_per_value"] > 3.5
+    plain = versus.kv_bits(_start_log(bin_dir, gemma3, n_ctx, "--kv-layer-types", "none"), shape)
+    assert plain["bits_per_value"] < logged and plain["logged_types"] == ["isoquant3_0/isoquant3_0"]
+
+
+def test_default_types_leave_a_model_without_sliding_window_alone(smollm2):
+    import llama_cpp
+
+    def mem(spec):
+        llm = _llm(smollm2, "isoquant3_0", n_ctx=8192, kv_layer_types=spec)  # alive while its context is read
+        return llama_cpp.llama_rq_get_memory(llm.ctx)
+
+    a, b = mem(None), mem("none")
+    assert (a.kv_k, a.kv_v) == (b.kv_k, b.kv_v)
+
+
+def test_default_types_on_gemma3_are_the_same_for_every_sliding_window_size(gemma3):
+    import llama_cpp
+
+    def mem(spec, swa_full):
+        llm = _llm(gemma3, "isoquant3_0", n_ctx=8192, kv_layer_types=spec, swa_full=swa_full)  # alive while read
+        return llama_cpp.llama_rq_get_memory(llm.ctx)
+
+    step = 8192 * (_row("isoquant4_0", 256) - _row("isoquant3_0", 256))
+    # as the tools size them (1024-cell sliding-window caches): one full layer fits in 3.5 bits
+    a, b, c = mem(None, False), mem("none", False), mem("11=isoquant4_0/isoquant3_0", False)
+    assert a.kv_k - b.kv_k == step and (a.kv_k, a.kv_v) == (c.kv_k, c.kv_v) and a.kv_v == b.kv_v
+    # llama.h's default, full-size sliding-window caches (Llama's too) take the same types: the budget is reckoned
+    # on the tools' cache sizes, which the full-size caches' extra 3-bit cells only undercut
+    a, b = mem(None, True), mem("none", True)
+    assert a.kv_k - b.kv_k == step

@@ -17,6 +17,10 @@ class  llama_kv_rq;
 // 2-6x of a 3-bit K's attention error for 0.125 bits/value at 2K (docs/NOTES.md, the recent window)
 #define LLAMA_RQ_KV_WINDOW_DEFAULT 16
 
+// the bits per cached value the default per-layer types stay within (llama-rq-layers.cpp): the long-context budget
+// the needle and 32K results are measured against
+#define LLAMA_RQ_KV_AUTO_BITS 3.5
+
 // the RotaryQuant fields of llama_context_params, fixed for the life of a context
 struct llama_rq_params {
     bool    iso_unfused = false;               // IsoQuant K/V dequantised to F16 before attention

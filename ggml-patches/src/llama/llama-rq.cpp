@@ -1,7 +1,7 @@
-// RotaryQuant in llama's KV cache (llama-rq.h): the settings scope, per-layer cache types, the batch split by phase,
-// each cache's state and the lifecycle of its rows, the graph hooks and the C API. K statistics and centring
-// (llama-rq-kstats.cpp), deferred prefill (llama-rq-deferred.cpp), the recent window (llama-rq-window.cpp) and state
-// files (llama-rq-state.cpp) are units of their own.
+// RotaryQuant in llama's KV cache (llama-rq.h): the settings scope, the batch split by phase, each cache's state and
+// the lifecycle of its rows, the graph hooks and the C API. Per-layer cache types (llama-rq-layers.cpp), K statistics
+// and centring (llama-rq-kstats.cpp), deferred prefill (llama-rq-deferred.cpp), the recent window
+// (llama-rq-window.cpp) and state files (llama-rq-state.cpp) are units of their own.
 
 #include "llama-rq.h"
 #include "llama-rq-impl.h"
@@ -56,103 +56,6 @@ llama_rq_scope::~llama_rq_scope() {
 
 llama_rq_scope * llama_rq_scope::current() {
     return rq_scope_cur;
-}
-
-//
-// per-layer cache types
-//
-
-static ggml_type rq_kv_type_from_name(const std::string & name) {
-    static const ggml_type plain[] = { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_BF16, GGML_TYPE_Q8_0, GGML_TYPE_Q4_0,
-                                       GGML_TYPE_Q4_1, GGML_TYPE_IQ4_NL, GGML_TYPE_Q5_0, GGML_TYPE_Q5_1 };
-    for (ggml_type t : plain) {
-        if (name == ggml_type_name(t)) {
-            return t;
-        }
-    }
-    for (int t = 0; t < GGML_TYPE_COUNT; ++t) {
-        if (ggml_rq_type_is_iso((ggml_type) t) && name == ggml_type_name((ggml_type) t)) {
-            return (ggml_type) t;
-        }
-    }
-    throw std::runtime_error("kv_layer_types: unknown cache type '" + name + "' (f16, q8_0, q4_0, isoquant3_0, ...)");
-}
-
-// a type the layer's heads can take; the 128-wide IsoQuant types resolve to their 64-wide siblings on 64-wide heads
-static ggml_type rq_kv_type_for_head(ggml_type t, uint32_t head, uint32_t il, const char * kv) {
-    if (ggml_rq_type_is_iso(t) && head == 64 && ggml_rq_iso_qk(t) == 128) {
-        return ggml_rq_iso_type(ggml_rq_iso_bits(t), 64);
-    }
-    if (head % ggml_blck_size(t) != 0 || (ggml_rq_type_is_iso(t) && ggml_rq_iso_qk(t) == 64 && head != 64)) {
-        throw std::runtime_error(format("kv_layer_types: layer %u has %s head size %u, which %s cannot take; use "
-            "another type for it, e.g. %s", il, kv, head, ggml_type_name(t), head % 32 == 0 ? "q8_0" : "f16"));
-    }
-    return t;
-}
-
-std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hp, uint32_t il, ggml_type type_k, ggml_type type_v) {
-    const llama_rq_scope * scope = llama_rq_scope::current();
-    const std::string spec = scope ? scope->params.kv_layer_types : "";
-    std::pair<ggml_type, ggml_type> res { type_k, type_v };
-    bool named = false;
-    size_t pos = 0;
-    while (pos < spec.size()) {
-        size_t end = spec.find(',', pos);
-        end = end == std::string::npos ? spec.size() : end;
-        const std::string item = spec.substr(pos, end - pos);
-        pos = end + 1;
-        const size_t eq = item.find('=');
-        if (eq == std::string::npos || eq == 0 || eq + 1 == item.size()) {
-            throw std::runtime_error("kv_layer_types: '" + item + "' is not LAYERS=K[/V] (e.g. full=q8_0/isoquant3_0)");
-        }
-        const std::string sel = item.substr(0, eq), types = item.substr(eq + 1);
-        bool hit;
-        if (sel == "*") {
-            hit = true;
-        } else if (sel == "swa" || sel == "full") {
-            hit = hp.is_swa(il) == (sel == "swa");
-        } else {
-            char * e1 = nullptr;
-            const long a = strtol(sel.c_str(), &e1, 10);
-            long b = a;
-            if (*e1 == '-') {
-                char * e2 = nullptr;
-                b = strtol(e1 + 1, &e2, 10);
-                e1 = e2;
-            }
-            if (*e1 != '\0' || e1 == sel.c_str() || a < 0 || b < a || b >= (long) hp.n_layer()) {
-                throw std::runtime_error(format("kv_layer_types: '%s' is not a layer, a range N-M within 0-%u, swa, "
-                    "full or *", sel.c_str(), hp.n_layer() - 1));
-            }
-            hit = (long) il >= a && (long) il <= b;
-        }
-        if (hit) {
-            const size_t sl = types.find('/');
-            res.first  = rq_kv_type_from_name(types.substr(0, sl));
-            res.second = sl == std::string::npos ? res.first : rq_kv_type_from_name(types.substr(sl + 1));
-            named = true;
-        }
-    }
-    if (named) {
-        res.first  = rq_kv_type_for_head(res.first,  hp.n_embd_head_k(il), il, "K");
-        res.second = rq_kv_type_for_head(res.second, hp.n_embd_head_v(il), il, "V");
-    }
-    return res;
-}
-
-std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec) {
-    if (spec == nullptr || strcmp(spec, "model") != 0) {
-        return spec ? spec : "";
-    }
-    const auto it = model.gguf_kv.find("rotaryquant.kv_alloc.layer_types");
-    if (it == model.gguf_kv.end() || it->second.empty()) {
-        throw std::runtime_error("kv_layer_types = model: this model stores no per-layer K/V types; run "
-            "rq-calibrate --kv-bits 3.5 on it, or give the types (e.g. full=q8_0/isoquant3_0)");
-    }
-    const auto bits = model.gguf_kv.find("rotaryquant.kv_alloc.bits");
-    LLAMA_LOG_WARN("%s: per-layer K/V types from the model (rq-calibrate --kv-bits, %s bits/value): %s\n", __func__,
-                   bits == model.gguf_kv.end() ? "?" : bits->second.c_str(), it->second.c_str());
-    return it->second;
 }
 
 //

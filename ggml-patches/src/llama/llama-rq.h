@@ -9,8 +9,8 @@
 //    positions, and of the ubatch's own tokens, stand in for their packed K/V for the queries within kv_window of them.
 // All are settings of a context (llama_context_params: k_center, kv_deferred, kv_window). Upstream files reach them
 // through a few hook lines; llama_kv_cache and llama_batch_allocr name llama_kv_rq a friend. One unit per concern:
-// llama-rq.cpp (settings, per-layer types, the batch split, each cache's state, graph hooks, C API),
-// llama-rq-kstats.cpp (K statistics and centring), llama-rq-deferred.cpp, llama-rq-window.cpp, llama-rq-state.cpp.
+// llama-rq.cpp (settings, the batch split, each cache's state, graph hooks, C API), llama-rq-layers.cpp (per-layer
+// cache types), llama-rq-kstats.cpp (K statistics and centring), llama-rq-deferred.cpp, llama-rq-window.cpp, llama-rq-state.cpp.
 
 #include "llama-rq-types.h"
 
@@ -49,9 +49,13 @@ std::pair<ggml_type, ggml_type> llama_rq_layer_types(const llama_hparams & hpara
 void llama_rq_state_file_seal(const char * path);
 bool llama_rq_state_file_check(const char * path);
 
-// the context's kv_layer_types: "model" is the allocation rq-calibrate --kv-bits stored in the model
-// (rotaryquant.kv_alloc.layer_types; throws with the fix when there is none), anything else is taken as given
-std::string llama_rq_kv_layer_types(const llama_model & model, const char * spec);
+// the context's per-layer types (llama-rq-layers.cpp) from its kv_layer_types: "model" is the allocation rq-calibrate
+// --kv-bits stored in the model (rotaryquant.kv_alloc.layer_types; throws with the fix when there is none), "none" the
+// plain type_k/type_v everywhere, none given the default (4-bit K on full-attention layers of a sliding-window model
+// while the cache stays within LLAMA_RQ_KV_AUTO_BITS), anything else is taken as given
+struct llama_cparams;
+std::string llama_rq_kv_layer_types(const llama_model & model, const llama_context_params & params,
+                                    const llama_cparams & cparams);
 
 // architectures whose K cache is written or read outside build_attn: neither hook reaches them
 bool llama_rq_arch_unhooked(llm_arch arch);

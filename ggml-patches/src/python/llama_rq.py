@@ -44,7 +44,9 @@ def apply(params: llama_cpp.llama_context_params, *, iso_unfused: bool = False,
         decodes; only with a quantised cache); an int: the same with a transient of at most that many cells; False or
         None: off.
     kv_layer_types: per-layer K/V cache types over type_k/type_v: comma-separated LAYERS=K[/V] with LAYERS one of N,
-        N-M, swa, full, * (later items win), e.g. "full=q8_0/isoquant3_0".
+        N-M, swa, full, * (later items win), e.g. "full=q8_0/isoquant3_0"; "model": what rq-calibrate --kv-bits
+        stored in the model; "none": type_k/type_v everywhere; None: the default (with a 3-bit IsoQuant K on a
+        sliding-window model, 4-bit K on its full-attention layers while the cache stays within 3.5 bits/value).
     kv_window: with an IsoQuant V cache, each query attends to the keys and values of its last kv_window positions
         through exact F16 copies (0: off; None: 16 where the V cache is IsoQuant and attends fused on the CPU).
     k_stats: where measured K statistics are kept when the model has no calibration (measured once per model file,
