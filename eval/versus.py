@@ -151,7 +151,7 @@ _UPSTREAM = (r"size =\s*[\d.]+ MiB \(\s*(\d+) cells,\s*(\d+) layers,\s*\d+/(\d+)
 _IK = r"KV self size\s*=\s*[\d.]+ MiB, K \(([^)]+)\):\s*([\d.]+) MiB, V \(([^)]+)\):\s*([\d.]+) MiB"
 _WINDOW = r"init_window: .*?([\d.]+) MiB\)"  # ours: the recent window's F16 rows, beside each cache
 _NOTE = (r"auto-asymmetric|Boundary V|zero-padding|require flash_attn|_hadam|K centring|not a supported combination|"
-         r"attn_rot_[kv] = [1-9]")
+         r"attn_rot_[kv] = [1-9]|per-layer K/V types \(default\)")
 
 
 def kv_bits(log: str, shape: KvShape) -> dict:

@@ -63,6 +63,22 @@ def versus_kld(name: str, config: str = "ours:isoquant3_0") -> float:
     return rows[0]["kld_mean"]
 
 
+def versus_needles(name: str, ctx: int, config: str = "ours:isoquant3_0") -> str:
+    """found/asked of one configuration at one context in an rq-eval versus needles file (every depth and seed)."""
+    rows = [r for r in load(name)["niah"] if r["config"] == config and r["ctx"] == ctx and "found" in r]
+    if not rows:
+        raise KeyError(f"{name}.json: no needle rows for {config!r} at ctx {ctx}")
+    return f"{sum(r['found'] for r in rows)}/{sum(r['asked'] for r in rows)}"
+
+
+def versus_bits(name: str, ctx: int, config: str = "ours:isoquant3_0") -> float:
+    """The bits/value one configuration's runs logged at one context (one value: the cache does not change)."""
+    bits = {r["bits_per_value"] for r in load(name)["niah"] if r["config"] == config and r["ctx"] == ctx}
+    if len(bits) != 1:
+        raise KeyError(f"{name}.json: bits {sorted(bits)} for {config!r} at ctx {ctx}")
+    return bits.pop()
+
+
 def kld_pair(gemma: tuple[str, str], qwen: tuple[str, str], qwen_ctx: int = CTX) -> str:
     """'Gemma3 / Qwen' mean KLD at CTX (Qwen's context marked when it is another)."""
     q = sig3(kld(*qwen, ctx=qwen_ctx)) + ("" if qwen_ctx == CTX else f" (ctx {qwen_ctx})")
@@ -214,12 +230,11 @@ def kv_rows() -> list[tuple[str, ...]]:
          f"{sig3(dflt_g)} / {sig3(dflt_q)}",
          "–", holds(dflt_q < 0.09 and dflt_g < 0.1,
                     "works as downloaded: the library measures K statistics once per model file and keeps them³; "
-                    "measured before "
-                    "K statistics were taken at positions spread over the context: needles at 8K "
-                    "with `--kv-deferred` "
-                    f"{needles('niah-8k-gemma3-window', 'isoquant3_0+w16+self deferred')} / "
-                    f"{needles('niah-8k-qwen-window', 'isoquant3_0+w16+self deferred')}, Qwen at 16K "
-                    f"{needles(QWEN_16K, 'isoquant3_0+w16+self deferred', ctx=16384)}; "
+                    "needles with these defaults (on Gemma3 from 8K also 4-bit K on full-attention layers within "
+                    "3.5 bits/value⁵) at 8K "
+                    f"{versus_needles('versus-niah-gemma3', 8192)} / {versus_needles('versus-niah-qwen', 8192)}, "
+                    f"at 16K {versus_needles('versus-niah-gemma3', 16384)} / "
+                    f"{versus_needles('versus-niah-qwen', 16384)}; "
                     f"with `--kv-window 0` {sig3(kld('kv-quality-self-gemma3', 'isoquant3_0+self'))} / {sig3(qself)}, "
                     f"needles at 8K {needles('niah-8k-gemma3', 'isoquant3_0+self')}")),
         ("KV `isoquant3_0` K and V, `--no-k-center --kv-window 0`", f"{bits('isoquant3_0'):g}",
@@ -295,6 +310,10 @@ def table() -> str:
         "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 2·16 rows per "
         "sequence and layer, 0.6 MiB on Gemma3). The other IsoQuant-V rows were "
         "measured without the window (`--kv-window 0`), which is now on by default for them too. "
+        f"⁵ bits/value as logged at 8K / 16K: {versus_bits('versus-niah-gemma3', 8192):.2f} / "
+        f"{versus_bits('versus-niah-gemma3', 16384):.2f} (full layer 11's K at 4 bits; none at 2K, where the window "
+        "alone takes Gemma3 past 3.5), Qwen (full attention everywhere, left as it is) "
+        f"{versus_bits('versus-niah-qwen', 16384):.2f} at 16K; which layers: docs/usage.md. "
         "–: not measured beside f16.",
     ]
     return "\n".join([BEGIN, *head, *body, *foot, END])

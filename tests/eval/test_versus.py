@@ -74,9 +74,11 @@ def test_a_log_without_size_lines_gives_no_bits():
 def test_notes_keep_what_a_build_changed_once():
     log = ("llama_kv_cache: auto-asymmetric: GQA ratio 6:1 (n_head=12, n_head_kv=2) — upgrading K from turbo3 to q8_0\n"
            "init_k_center: K centring = on, self-calibrated (1024 tokens, 7.2 s; 3 of 3 layers)\n"
-           "init_k_center: K centring = on, self-calibrated (1024 tokens, 8.1 s; 3 of 3 layers)\n")
+           "init_k_center: K centring = on, self-calibrated (1024 tokens, 8.1 s; 3 of 3 layers)\n"
+           "rq_default_layer_types: per-layer K/V types (default): K of full-attention layer(s) 11 at 4 bits\n")
     notes = versus.kv_bits(log, SHAPE)["notes"]
-    assert len(notes) == 2 and notes[0].startswith("auto-asymmetric") and "N s" in notes[1]
+    assert len(notes) == 3 and notes[0].startswith("auto-asymmetric") and "N s" in notes[1]
+    assert notes[2].startswith("per-layer K/V types (default)")  # our cache's own types, which no size line names
 
 
 def test_ratios_are_over_the_same_builds_f16_per_round():
