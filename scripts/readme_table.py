@@ -335,7 +335,7 @@ def alternatives_table() -> str:
     alt = _alternatives()
     data = alt.load(RESULTS)
     models = [m for m in alt.MODELS if m in data]
-    verdicts = alt.verdicts(data)
+    verdicts = alt.verdicts(data) + [w for w in [alt.weight_verdict(RESULTS)] if w]
     head = [f"Each build through its own binaries on the same models and text, against its own F16 cache, 2 cores "
             f"([docs/alternatives.md](docs/alternatives.md)); per model: bits/value as the build logged them: mean "
             f"KLD at context {alt.KLD_CTX}, decode t/s after an {alt.DEPTH // 1024}K prompt over the same build's f16. "

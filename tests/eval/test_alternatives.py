@@ -123,3 +123,25 @@ def test_needles_verdict_counts_ours_against_each_peer_under_the_budget(results)
     data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 6
     with pytest.raises(alt.VerdictError, match="needles"):
         alt.verdicts(data)
+
+
+def test_weight_verdict_names_each_peer_type_and_refuses_an_unexplained_loss(tmp_path):
+    def row(label, bpw, kld):
+        b, ft = label.split(":")
+        return {"label": label, "build": b, "ftype": ft.split("+")[0], "bpw": bpw, "kld_mean": kld}
+
+    def write(rows):
+        (tmp_path / "versus-weights-qwen.json").write_text(json.dumps({"model": "q.gguf", "quality": rows}))
+
+    write([row("ours:itq3-s", 3.51, 0.13), row("ours:itq3-m", 3.87, 0.10), row("ours:IQ3_S+imat", 3.88, 0.14),
+           row("ik:IQ3_KT+imat", 3.54, 0.21)])
+    v = alt.weight_verdict(tmp_path)
+    assert "stock:IQ3_S+imat 0.1400 at 3.880 vs itq3-m 0.1000" in v and "ik:IQ3_KT+imat 0.2100 at 3.540 vs itq3-s" in v
+    write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ3_XX+imat", 3.60, 0.12)])  # a loss with no stated cause
+    with pytest.raises(alt.VerdictError):
+        alt.weight_verdict(tmp_path)
+    write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ3_K+imat", 3.74, 0.11)])  # the known one is named, not refused
+    assert "(behind: its non-linear grid" in alt.weight_verdict(tmp_path)
+    write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ2_KT+imat", 2.6, 0.5)])  # nothing of ours at so few bits
+    with pytest.raises(alt.VerdictError):
+        alt.weight_verdict(tmp_path)

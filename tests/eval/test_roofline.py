@@ -35,12 +35,13 @@ def test_weight_bytes_read_one_embedding_row_unless_the_output_is_tied(tmp_path)
 def test_kv_bytes_are_the_cells_a_decode_step_attends(gemma3, depth):
     # Gemma3-270M: 18 layers of 1 KV head x 256; layers 5, 11, 17 attend everything (cells: the context, padded
     # to 256), the 15 sliding-window layers a cache of window 512 + ubatch 512 cells
-    kv = roofline.kv_bytes(gemma3, ["f16", "isoquant3_0"], [depth], n_gen=32)
+    # "@none": every layer the named type (by default a full layer's K may take 4 bits where the budget allows)
+    kv = roofline.kv_bytes(gemma3, ["f16", "isoquant3_0@none"], [depth], n_gen=32)
     full = math.ceil(max(depth + 32, 256) / 256) * 256
     swa = min(full, 1024)
     cells = 3 * full + 15 * swa
     assert kv[("f16", depth)] == cells * 2 * 256 * 2          # K and V, 2 bytes per value
-    assert kv[("isoquant3_0", depth)] == cells * 2 * 2 * 50   # 2 blocks of 50 bytes per 256-wide row
+    assert kv[("isoquant3_0@none", depth)] == cells * 2 * 2 * 50   # 2 blocks of 50 bytes per 256-wide row
 
 
 def test_triad_bandwidth_is_measured_on_a_graph_that_ran():
