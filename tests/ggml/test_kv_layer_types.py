@@ -229,3 +229,10 @@ def test_default_types_on_gemma3_are_the_same_for_every_sliding_window_size(gemm
     # on the tools' cache sizes, which the full-size caches' extra 3-bit cells only undercut
     a, b = mem(None, True), mem("none", True)
     assert a.kv_k - b.kv_k == step
+    # and so does a context without the window, or with another ubatch: one layout for A/B runs and state files
+    for kw in ({"kv_window": 0}, {"n_ubatch": 128}):
+        k = []
+        for spec in (None, "none"):
+            llm = _llm(gemma3, "isoquant3_0", n_ctx=8192, swa_full=False, kv_layer_types=spec, **kw)
+            k.append(llama_cpp.llama_rq_get_memory(llm.ctx).kv_k)
+        assert k[0] - k[1] == step, kw

@@ -105,20 +105,17 @@ static std::string rq_model_layer_types(const llama_model & model) {
     return it->second;
 }
 
-// bits per cached value of the context's caches with K of the layers in `up` at type k4 (the others at type_k):
-// the caches' cells as llama_kv_cache_iswa sizes them for llama.cpp's tools (sliding-window caches of n_swa +
-// n_ubatch cells: common's swa_full = false), and the recent window's F16 rows beside a layer whose V is IsoQuant
-// (init_window), i.e. what the tools' size lines and init_window log. llama.h's default, full-size sliding-window
-// caches (swa_full: Llama(...) too) would leave room for more: sized as the tools' are, one model and context take
-// the same types from every entry point, and a full-size cache stays below the budget.
-static double rq_cache_bits(const llama_hparams & hp, const llama_context_params & params, const llama_cparams & cparams,
+// bits per cached value of one sequence's caches with K of the layers in `up` at type k4 (the others at type_k), as
+// llama.cpp's tools size them by default: full-attention caches of n_ctx_seq cells, sliding-window ones of n_swa +
+// 512 (the default ubatch) padded to 256, and the default recent window's 2*16+1 F16 rows beside a layer whose V is
+// IsoQuant. What the tools' size lines and init_window log with their defaults. It depends on the model, n_ctx_seq and
+// the types only: a context with another window, ubatch, sequence count or full-size sliding-window caches (swa_full:
+// llama.h's default, Llama(...) too) takes the same types, so state files and A/B runs (window on/off, fused/unfused)
+// see one cache layout.
+static double rq_cache_bits(const llama_hparams & hp, ggml_type type_k, ggml_type type_v, uint32_t n_ctx_seq,
                             const std::vector<uint32_t> & up, ggml_type k4) {
-    const uint32_t n_stream  = cparams.kv_unified ? 1 : cparams.n_seq_max;
-    const uint32_t size_base = cparams.n_ctx_seq;
-    const uint32_t size_swa  =
-        GGML_PAD(std::min(size_base, hp.n_swa*(cparams.kv_unified ? cparams.n_seq_max : 1) + cparams.n_ubatch), 256);
-    const bool     window    = params.kv_window != 0; // counted unfused too: both paths of an A/B take one set of types
-    const uint64_t win_rows  = window ? 2ull*(params.kv_window < 0 ? LLAMA_RQ_KV_WINDOW_DEFAULT : params.kv_window)*cparams.n_seq_max + 1 : 0;
+    const uint32_t size_swa = GGML_PAD(std::min(n_ctx_seq, hp.n_swa + 512), 256);
+    const uint64_t win_rows = 2ull*LLAMA_RQ_KV_WINDOW_DEFAULT + 1;
     double bytes = 0, values = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
         if (!hp.has_kv(il)) {
@@ -126,9 +123,9 @@ static double rq_cache_bits(const llama_hparams & hp, const llama_context_params
         }
         const bool     is_up = std::find(up.begin(), up.end(), il) != up.end();
         const uint32_t nk = hp.n_embd_k_gqa(il), nv = hp.n_embd_v_gqa(il);
-        const ggml_type tk = rq_kv_type_for_head(is_up ? k4 : params.type_k, hp.n_embd_head_k(il), il, "K");
-        const ggml_type tv = rq_kv_type_for_head(params.type_v, hp.n_embd_head_v(il), il, "V");
-        const double cells = (double) (hp.is_swa(il) ? size_swa : size_base)*n_stream;
+        const ggml_type tk = rq_kv_type_for_head(is_up ? k4 : type_k, hp.n_embd_head_k(il), il, "K");
+        const ggml_type tv = rq_kv_type_for_head(type_v, hp.n_embd_head_v(il), il, "V");
+        const double cells = hp.is_swa(il) ? size_swa : n_ctx_seq;
         bytes  += cells*(ggml_row_size(tk, nk) + ggml_row_size(tv, nv));
         values += cells*(nk + nv);
         bytes  += ggml_rq_type_is_iso(tv) ? win_rows*(ggml_row_size(GGML_TYPE_F16, nk) + ggml_row_size(GGML_TYPE_F16, nv)) : 0;
@@ -140,7 +137,8 @@ static double rq_cache_bits(const llama_hparams & hp, const llama_context_params
 // past the window, and their 3-bit K is where long-context retrieval is lost (Gemma3-270M, 16K needles: 18/24 with
 // 3-bit K everywhere, 24/24 with 4-bit K on its 3 full layers, 23/24 on the middle one alone, 22/24 on the first, 18/24
 // on the last). Their K goes to 4 bits, middle layer outwards (a prior from those rows, not a per-model measurement),
-// while the whole cache stays within LLAMA_RQ_KV_AUTO_BITS bits per value at this context's size.
+// while one sequence's cache, as the tools size it by default, stays within LLAMA_RQ_KV_AUTO_BITS bits per value at
+// this context's n_ctx_seq (rq_cache_bits).
 static std::string rq_default_layer_types(const llama_model & model, const llama_context_params & params,
                                           const llama_cparams & cparams) {
     const llama_hparams & hp = model.hparams;
@@ -170,10 +168,10 @@ static std::string rq_default_layer_types(const llama_model & model, const llama
 
     const ggml_type k4 = ggml_rq_iso_type(4, ggml_rq_iso_qk(params.type_k));
     std::vector<uint32_t> up;
-    double bits = rq_cache_bits(hp, params, cparams, up, k4);
+    double bits = rq_cache_bits(hp, params.type_k, params.type_v, cparams.n_ctx_seq, up, k4);
     for (uint32_t i : order) {
         up.push_back(full[i]);
-        const double b = rq_cache_bits(hp, params, cparams, up, k4);
+        const double b = rq_cache_bits(hp, params.type_k, params.type_v, cparams.n_ctx_seq, up, k4);
         if (b > LLAMA_RQ_KV_AUTO_BITS) {
             up.pop_back();
             break;
