@@ -118,7 +118,17 @@ def test_needles_verdict_counts_ours_against_each_peer_under_the_budget(results)
         for d, n in zip((0.1, 0.5), found)]})
     data = alt.load(results)
     line = next(v for v in alt.verdicts(data) if v.startswith("needles"))
-    assert "Gemma3 16/16; stock:q4_0 15/16" in line and "q8_0" not in line  # 8.5 bits: not a rival
+    assert line.startswith("needles at 8K (") and "16K" not in line
+    assert "Gemma3 at 8K 16/16; stock:q4_0 15/16" in line and "q8_0" not in line  # 8.5 bits: not a rival
+    # a context with peer rows joins the same line, each checked
+    data[GEMMA]["ours:isoquant3_0"]["niah"][16384] = [{"found": 7, "asked": 8}]
+    data[GEMMA]["stock:q4_0"]["niah"][16384] = [{"found": 3, "asked": 8}]
+    line = next(v for v in alt.verdicts(data) if v.startswith("needles"))
+    assert line.startswith("needles at 8K and 16K") and "Gemma3 at 16K 7/8; stock:q4_0 3/8" in line
+    data[GEMMA]["stock:q4_0"]["niah"][16384][0]["found"] = 8
+    with pytest.raises(alt.VerdictError, match="needles"):
+        alt.verdicts(data)
+    data[GEMMA]["stock:q4_0"]["niah"][16384][0]["found"] = 3
     data[GEMMA]["stock:q4_0"]["niah"][8192][0]["found"] = 8
     data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 6
     with pytest.raises(alt.VerdictError, match="needles"):
