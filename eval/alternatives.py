@@ -282,7 +282,7 @@ def _needles(data: dict, ctxs: tuple[int, ...] = (DEPTH, 2 * DEPTH)) -> str | No
     parts, done, ok = [], [], True
     for ctx in ctxs:
         for model, configs in data.items():
-            def found(c: dict | None) -> tuple[int, int] | None:
+            def found(c: dict | None, ctx: int = ctx) -> tuple[int, int] | None:
                 rows = (c or {"niah": {}})["niah"].get(ctx) or []
                 if not rows or any("error" in r for r in rows):
                     return None
