@@ -10,6 +10,7 @@
 #include "ggml-rq.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
