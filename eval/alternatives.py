@@ -171,8 +171,7 @@ def report_section(results: Path) -> list[str]:
              "against the same build's F16 cache, 2 threads, this machine. Bits per value from the cache size each "
              "build logged (2K KLD run). How: [docs/alternatives.md](../alternatives.md).", ""]
     try:
-        w = weight_verdict(results)
-        lines += ["Verdicts (checked by the generator):", ""] + [f"- {v}" for v in [*verdicts(data), *([w] if w else [])]] + [""]
+        lines += ["Verdicts (checked by the generator):", ""] + [f"- {v}" for v in all_verdicts(data, results)] + [""]
     except VerdictError as e:
         lines += [f"**A verdict stopped holding**: {e}", ""]
     builds: dict[str, dict] = {}
@@ -355,6 +354,11 @@ def verdicts(data: dict[str, dict[str, dict]]) -> list[str]:
     lines = [_quality(data, "kld", _what("kld")), _quality(data, "decode", _what("decode")), _needles(data),
              _speed(data), _start_up(data)]
     return [x for x in lines if x]
+
+
+def all_verdicts(data: dict[str, dict[str, dict]], results: Path) -> list[str]:
+    """The KV verdicts and the weights one: what README and REPORT both state."""
+    return verdicts(data) + [w for w in [weight_verdict(results)] if w]
 
 
 def short_table(results: Path, fmt: Callable[[float], str] = lambda x: f"{x:.3g}") -> list[str]:

@@ -3,7 +3,7 @@
 list of specs can be comma-separated: "isoquant3_0@full=q8_0/isoquant3_0;0-1=q8_0"; "@model": the allocation
 rq-calibrate --kv-bits stored in the model; "@none": K/V alike in every layer; without "@", libllama's default per-layer
 types: on a sliding-window model with 3-bit IsoQuant K, 4-bit K on full-attention layers within 3.5 bits/value at
-the context's size and window), and an
+the context's size, whatever its window), and an
 optional "+calib" or "+self" suffix: K centring on, as llama.cpp runs by default. "+calib" reads: the model's
 K-cache calibration (rq-calibrate); "+self" reads: the file has none, the runtime measures its own (the same
 switch; the label says which statistics a row used). Without a suffix, runs pass --no-k-center, so the same

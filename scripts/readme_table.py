@@ -117,7 +117,6 @@ def needles(name: str | tuple[str, ...], cache: str, ctx: int = DEPTH) -> str:
 
 ALLOC_W = "isoquant3_0@model+w16+calib"  # the per-layer types rq-calibrate --kv-bits stored, with the recent window
 N_NIAH = 24                         # needles asked at one context (8 per depth x 3 depths)
-QWEN_16K = ("niah-16k-qwen-window", "niah-16k-qwen-window-b", "niah-16k-qwen-window-c")  # one depth each
 
 
 def decode_kld(name: str, cache: str, prefill: int = DEPTH) -> float:
@@ -335,7 +334,7 @@ def alternatives_table() -> str:
     alt = _alternatives()
     data = alt.load(RESULTS)
     models = [m for m in alt.MODELS if m in data]
-    verdicts = alt.verdicts(data) + [w for w in [alt.weight_verdict(RESULTS)] if w]
+    verdicts = alt.all_verdicts(data, RESULTS)
     head = [f"Each build through its own binaries on the same models and text, against its own F16 cache, 2 cores "
             f"([docs/alternatives.md](docs/alternatives.md)); per model: bits/value as the build logged them: mean "
             f"KLD at context {alt.KLD_CTX}, decode t/s after an {alt.DEPTH // 1024}K prompt over the same build's f16. "
