@@ -183,7 +183,8 @@ def test_default_types_are_within_the_budget_that_the_caches_log(bin_dir, gemma3
     shape = versus.kv_shape(gemma3)
     log = _start_log(bin_dir, gemma3, n_ctx)
     line = next(ln for ln in log.splitlines() if "per-layer K/V types" in ln)
-    logged = versus.kv_bits(log, shape)["bits_per_value"]
+    b = versus.kv_bits(log, shape)
+    logged = b["bits_per_value"]
     if layers is None:  # 2K: the window's rows alone take Gemma3 past 3.5 bits
         assert "uniform" in line and logged > 3.5, line
         return
@@ -191,7 +192,6 @@ def test_default_types_are_within_the_budget_that_the_caches_log(bin_dir, gemma3
     predicted = float(re.search(r"at 4 bits, ([\d.]+) bits/value", line).group(1))
     # the log prints each cache's K, V and window in MiB to 2 decimals (Gemma3's whole cache is ~8 MiB at 8K), the
     # prediction in bits to 2 decimals: they agree within those roundings
-    b = versus.kv_bits(log, shape)
     figures = 3 * len(re.findall(r"llama_kv_cache: size =", log))
     tol = figures * 0.005 * b["bits_per_value"] / b["kv_mib"] + 0.005
     assert abs(predicted - logged) <= tol and logged <= 3.5, (line, logged, tol)
