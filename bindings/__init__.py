@@ -13,6 +13,7 @@ from rotaryquant.bindings.ggml import (
     cpu_avx512,
     cpu_split,
     dequantize,
+    iso_roundtrip,
     iso_variant,
     lib_dir,
     quantize,
@@ -33,7 +34,7 @@ from rotaryquant.kvtypes import ISO_TYPES  # the IsoQuant types: a table of name
 
 __all__ = [
     "COUNTERS", "ISO_TYPES", "KV_STATS", "GGMLType", "RQTypeError", "apply", "bin_dir", "binary", "counters",
-    "cpu_avx512", "cpu_split", "dequantize", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
+    "cpu_avx512", "cpu_split", "dequantize", "iso_roundtrip", "iso_variant", "kv_stats", "lib_dir", "llama_kwargs", "quantize", "reset_counters",
     "row_size", "rq_version", "set_cpu_avx512", "set_cpu_split", "set_iso_skip_inverse", "set_iso_variant", "type_from_name",
     "type_name", "type_names",
     "unhooked_archs", "validate_kv_spec",

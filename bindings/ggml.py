@@ -112,6 +112,9 @@ def _ggml() -> ctypes.CDLL:
     base.ggml_quantize_requires_imatrix.restype = ctypes.c_bool
     base.ggml_quantize_requires_imatrix.argtypes = [ctypes.c_int]
     base.ggml_get_type_traits.restype = ctypes.c_void_p
+    if hasattr(base, "ggml_rq_iso_roundtrip"):
+        base.ggml_rq_iso_roundtrip.restype = None
+        base.ggml_rq_iso_roundtrip.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     if hasattr(base, "ggml_rq_quantize_itq3_s_xtx"):
         base.ggml_rq_quantize_itq3_s_xtx.restype = ctypes.c_size_t
         base.ggml_rq_quantize_itq3_s_xtx.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
@@ -246,6 +249,21 @@ def dequantize(q: np.ndarray, t: int, n_per_row: int) -> np.ndarray:
         raise ValueError(f"{type_name(t)} has no to_float")
     out = np.empty((q.shape[0], n_per_row), dtype=np.float32)
     _TO_FLOAT(traits.to_float)(q.ctypes.data, out.ctypes.data, q.shape[0] * n_per_row)
+    return out
+
+
+def iso_roundtrip(x: np.ndarray, t: int) -> np.ndarray:
+    """``x`` (float32, last axis a multiple of the block) through IsoQuant type ``t``'s quantiser and back, as a cache
+    stores and reads it, without counting rows (ggml_rq_iso_roundtrip): the counters keep telling which path ran."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    blck = int(_ggml().ggml_blck_size(int(t)))
+    if type_name(t) not in kvtypes.ISO_TYPES or x.shape[-1] % blck:
+        raise ValueError(f"{type_name(t)} is not an IsoQuant type, or rows of {x.shape[-1]} values are not whole blocks")
+    lib = _ggml()
+    if not hasattr(lib, "ggml_rq_iso_roundtrip"):
+        raise MissingBuildError("this libggml-base has no ggml_rq_iso_roundtrip (an older build)")
+    out = np.empty_like(x)
+    lib.ggml_rq_iso_roundtrip(int(t), x.ctypes.data, out.ctypes.data, x.size)
     return out
 
 

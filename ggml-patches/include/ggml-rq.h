@@ -119,6 +119,11 @@ GGML_API void ggml_rq_iso_rotate_inv(const float * y, float * x);
 GGML_API void ggml_rq_iso_rotate_qk    (const float * x, float * y, int qk);
 GGML_API void ggml_rq_iso_rotate_inv_qk(const float * y, float * x, int qk);
 
+// k values (a multiple of the type's block) of IsoQuant type `type` quantised and dequantised into y, as a cache
+// would store and read them, without counting rows: what a measurement of the quantiser's error uses, so that the
+// counters still tell which attention path ran
+GGML_API void ggml_rq_iso_roundtrip(enum ggml_type type, const float * x, float * y, int64_t k);
+
 // the 3-bit Lloyd-Max codebook for a coordinate of a rotated unit 128-vector
 GGML_API const float * ggml_rq_iso_codebook(void);
 // the codebook of `bits`-bit indices (3: 8 levels, ISOQUANT3_0; 4: 16 levels, ISOQUANT4_0)

@@ -253,7 +253,8 @@ static inline size_t iso_block_size(int bits, int qk) {
     return sizeof(ggml_half) + qk*bits/8;
 }
 
-static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+// uncounted: iso_quantize_row/iso_dequantize_row count the blocks, ggml_rq_iso_roundtrip does not
+static void iso_quantize_blocks(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits, int qk) {
     assert(k % qk == 0);
     const int64_t nb = k / qk;
     const float * cb   = ggml_rq_iso_codebook_qk(bits, qk);
@@ -294,10 +295,9 @@ static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTR
         const ggml_half d = GGML_FP32_TO_FP16((float) (dd < 65504.0 ? dd : 65504.0));
         memcpy(blk, &d, sizeof(d));
     }
-    ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) nb);
 }
 
-static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+static void iso_dequantize_blocks(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits, int qk) {
     assert(k % qk == 0);
     const int64_t  nb   = k / qk;
     const float  * cb   = ggml_rq_iso_codebook_qk(bits, qk);
@@ -317,7 +317,26 @@ static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RES
         }
         ggml_rq_iso_rotate_inv_qk(yr, y + ib*qk, qk);
     }
-    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) nb);
+}
+
+static void iso_quantize_row(const float * GGML_RESTRICT x, uint8_t * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+    iso_quantize_blocks(x, y, k, bits, qk);
+    ggml_rq_counter_add(GGML_RQ_ISO_QUANT_ROWS, (uint64_t) (k / qk));
+}
+
+static void iso_dequantize_row(const uint8_t * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t k, int bits, int qk) {
+    iso_dequantize_blocks(x, y, k, bits, qk);
+    ggml_rq_counter_add(GGML_RQ_ISO_DEQUANT_ROWS, (uint64_t) (k / qk));
+}
+
+void ggml_rq_iso_roundtrip(enum ggml_type type, const float * x, float * y, int64_t k) {
+    const int bits = ggml_rq_iso_bits(type), qk = ggml_rq_iso_qk(type);
+    uint8_t blk[sizeof(ggml_half) + QK_ISO*4/8];
+    GGML_ASSERT(ggml_rq_type_is_iso(type) && k % qk == 0);
+    for (int64_t i = 0; i < k; i += qk) {
+        iso_quantize_blocks(x + i, blk, qk, bits, qk);
+        iso_dequantize_blocks(blk, y + i, qk, bits, qk);
+    }
 }
 
 // the public entry points of one type (ggml's traits and ggml_quantize_chunk call these)

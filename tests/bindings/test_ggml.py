@@ -81,6 +81,20 @@ def test_counters_count_dequantised_rows():
     assert bindings.counters()["iso_dequant_rows"] == 0
 
 
+def test_iso_roundtrip_is_quantize_then_dequantize_and_counts_nothing():
+    rng = np.random.default_rng(1)
+    for name, n in (("isoquant3_0", 256), ("isoquant4_0", 128), ("isoquant3_64", 192), ("isoquant4_64", 64)):
+        t = bindings.type_from_name(name)
+        x = (rng.standard_normal((5, n)) * 3 + 1).astype(np.float32)
+        want = bindings.dequantize(bindings.quantize(x, t), t, n)
+        bindings.reset_counters()
+        got = bindings.iso_roundtrip(x, t)
+        assert np.array_equal(got, want), name
+        assert bindings.counters()["iso_quant_rows"] == 0 and bindings.counters()["iso_dequant_rows"] == 0
+    with pytest.raises(ValueError, match="not an IsoQuant type"):
+        bindings.iso_roundtrip(x, bindings.GGMLType.Q8_0)
+
+
 def test_switches_round_trip():
     assert bindings.iso_variant() == "v3"
     bindings.set_iso_variant("v2")

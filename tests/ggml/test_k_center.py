@@ -13,6 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 from gguf import GGUFReader
+from self_tokens import self_batches  # tests/helpers
 
 from rotaryquant import bindings
 from rotaryquant.eval.logits import kld as _kld
@@ -229,35 +230,6 @@ def test_server_slots_under_load_answer_as_alone(gemma3_cal):
     assert r.mismatches == 0, r.examples
 
 
-def _self_tokens(model, n_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
-    """The batch of the runtime's self-calibration (llama-rq-kstats.cpp), rebuilt here: 8 sequences of n/8 tokens at
-    0 and at 1/64, 1/32 .. 1/2 and the end of the trained context, each a BOS and then ordinary tokens drawn by
-    std::mt19937(20260401) (numpy's legacy MT19937 seeding is the same generator). Returns ids, (position, seq)."""
-    import llama_cpp as L
-
-    m = L.llama_model_load_from_file(str(model).encode(), L.llama_model_default_params())
-    try:
-        vocab = L.llama_model_get_vocab(m)
-        n_train = L.llama_model_n_ctx_train(m)
-        n_tok = min(n_tokens, n_train)
-        ordinary = [t for t in range(L.llama_vocab_n_tokens(vocab))
-                    if L.llama_vocab_get_attr(vocab, t) & L.LLAMA_TOKEN_ATTR_NORMAL]
-        bos = L.llama_vocab_bos(vocab) if L.llama_vocab_get_add_bos(vocab) else None
-    finally:
-        L.llama_model_free(m)
-    bg = np.random.MT19937(0)
-    bg._legacy_seeding(20260401)
-    n_seq, n_per = 8, n_tok // 8
-    span = max(n_train, n_tok)
-    ids, pos = [], []
-    for s in range(n_seq):
-        p0 = 0 if s == 0 else (span - n_per) >> (n_seq - 1 - s)
-        for i in range(n_per):
-            ids.append(bos if i == 0 and bos is not None else ordinary[int(bg.random_raw()) % len(ordinary)])
-            pos.append((p0 + i, s))
-    return ids, pos
-
-
 def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
     # no calibration, a 4-bit K cache (a tiny random Qwen2-MoE, head 64): the runtime measures mu/lam itself from
     # one F16 pass over its pseudo-random tokens. What the graph does to K (attn_k_kc = attn_k_in/lam - mu/lam) must
@@ -278,7 +250,7 @@ def test_an_uncalibrated_model_is_self_calibrated(bin_dir, smollm2, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "K statistics measured on" in proc.stderr  # a WARN line: shown without -v
     fields = GGUFReader(tmp_path / "ks.gguf").fields
-    ids, pos = _self_tokens(model, int(fields["rotaryquant.k_stats.n_tokens"].contents()))
+    ids, pos, _, _ = self_batches(model, int(fields["rotaryquant.k_stats.n_tokens"].contents()))
     assert len({s for _, s in pos}) == 8 and pos[-1][0] > len(ids)  # spread beyond one run of positions
     f16 = bindings.type_from_name("f16")
     ref = capture(model, ids, ["attn_k_in", "attn_q_in"], type_k=f16, type_v=f16, n_ctx=len(ids), positions=pos)

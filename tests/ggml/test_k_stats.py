@@ -94,6 +94,8 @@ def test_the_first_start_measures_and_stores_and_says_so(measured):
     assert fields["rotaryquant.k_center.layers"].tolist() == list(range(30))
     assert fields["rotaryquant.k_center.mean"].shape == (30 * 3 * 64,)
     assert np.all(fields["rotaryquant.k_center.scale"] > 0)
+    # and the copy task's ranking: one loss per layer (llama-rq-retrieval.cpp; test_k_retrieval checks the values)
+    assert fields["rotaryquant.k_stats.retrieval"].shape == (30,) and np.all(fields["rotaryquant.k_stats.retrieval"] >= 0)
 
 
 def test_the_second_start_loads_them_and_answers_the_same(bin_dir, smollm2, measured):
@@ -129,22 +131,27 @@ def test_a_copy_of_the_model_finds_its_file_and_other_weights_do_not(bin_dir, sm
     assert len(new) == 1 and new[0].name != f.name, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("how", ["corrupt", "another-model", "stale", "format", "shape"])
+@pytest.mark.parametrize("how", ["corrupt", "another-model", "stale", "format", "shape", "no-ranking", "bad-ranking"])
 def test_a_file_that_is_not_this_models_is_refused_and_measured_again(bin_dir, smollm2, measured, tmp_path, how):
     _, good, _ = measured
     f = tmp_path / good.name
     fields = _fields(good)
     if how == "corrupt":
         f.write_bytes(good.read_bytes()[:200])
+    elif how == "no-ranking":
+        del fields["rotaryquant.k_stats.retrieval"]
+        _write(f, fields)
     else:
         edit = {"another-model": ("rotaryquant.k_stats.model_id", "0123456789abcdef"),
                 "stale": ("rotaryquant.k_stats.method", int(fields["rotaryquant.k_stats.method"]) + 1),
                 "format": ("rotaryquant.k_stats.version", 2),
-                "shape": ("rotaryquant.k_center.layers", np.arange(31, dtype=np.int32))}[how]
+                "shape": ("rotaryquant.k_center.layers", np.arange(31, dtype=np.int32)),
+                "bad-ranking": ("rotaryquant.k_stats.retrieval", np.full(30, np.nan, np.float32))}[how]
         fields[edit[0]] = edit[1]
         _write(f, fields)
     why = {"corrupt": "not a readable GGUF", "another-model": "measured on another model", "stale": "stale",
-           "format": "another format", "shape": "belongs to another model"}[how]
+           "format": "another format", "shape": "belongs to another model",
+           "no-ranking": "retrieval is missing", "bad-ranking": "neither a loss"}[how]
     proc = _run(bin_dir, smollm2, "--k-stats", str(tmp_path), verbose=False)
     refused = [ln for ln in proc.stderr.splitlines() if "refused" in ln]
     assert refused and why in refused[0] and "measuring them again" in refused[0], proc.stderr[-3000:]

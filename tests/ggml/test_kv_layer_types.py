@@ -165,7 +165,8 @@ def test_server_slots_under_load_answer_as_alone_on_a_mixed_cache(gemma3, monkey
     assert r.mismatches == 0, r.examples
 
 
-# --- the default (no kv_layer_types): 4-bit K on full-attention layers of a sliding-window model, within 3.5 bits ---
+# --- the default (no kv_layer_types): 4-bit K within 3.5 bits on a sliding-window model's full-attention layers, or on
+# --- the layers a full-attention model's K statistics rank first
 
 def _start_log(bin_dir, model, n_ctx: int, *extra: str) -> str:
     cmd = [str(bin_dir / "llama-completion"), "-m", str(model), "-p", PROMPT, "-n", "1", "-no-cnv", "-t", "2",
@@ -203,15 +204,30 @@ def test_default_types_are_within_the_budget_that_the_caches_log(bin_dir, gemma3
     assert plain["bits_per_value"] < logged and plain["logged_types"] == ["isoquant3_0/isoquant3_0"]
 
 
-def test_default_types_leave_a_model_without_sliding_window_alone(smollm2):
-    import llama_cpp
+def test_default_types_on_full_attention_follow_the_measured_ranking(bin_dir, smollm2, tmp_path):
+    # SmolLM2 (30 full-attention layers, head 64): 4-bit K on the layers the K statistics' copy task ranks first, as
+    # many as fit in 3.5 bits/value; the next layer in the ranking would not fit
+    from gguf import GGUFReader
 
-    def mem(spec):
-        llm = _llm(smollm2, "isoquant3_0", n_ctx=8192, kv_layer_types=spec)  # alive while its context is read
-        return llama_cpp.llama_rq_get_memory(llm.ctx)
+    from rotaryquant.eval import versus
 
-    a, b = mem(None), mem("none")
-    assert (a.kv_k, a.kv_v) == (b.kv_k, b.kv_v)
+    stats, shape, n_ctx = tmp_path / "ks.gguf", versus.kv_shape(smollm2), 8192
+    log = _start_log(bin_dir, smollm2, n_ctx, "--k-stats", str(stats))
+    line = next(ln for ln in log.splitlines() if "per-layer K/V types" in ln)
+    loss = np.asarray(GGUFReader(stats).fields["rotaryquant.k_stats.retrieval"].contents())
+    ranked = sorted(range(len(loss)), key=lambda il: -loss[il])
+    chosen = [int(x) for x in re.search(r"layer\(s\) ([\d ]+) at 4 bits", line).group(1).split()]
+    assert 0 < len(chosen) < len(loss) and sorted(ranked[:len(chosen)]) == chosen, (line, loss)
+    assert "ranked by the retrieval" in line
+    logged = versus.kv_bits(log, shape)["bits_per_value"]
+    assert logged <= 3.5
+    spec = ",".join(f"{il}=isoquant4_0/isoquant3_0" for il in ranked[:len(chosen) + 1])
+    more = versus.kv_bits(_start_log(bin_dir, smollm2, n_ctx, "--kv-layer-types", spec, "--k-stats", str(stats)), shape)
+    assert more["bits_per_value"] > 3.5
+    # opted out, or without K centring (no statistics, no ranking): every layer at 3 bits
+    for extra in (("--kv-layer-types", "none"), ("--no-k-center",)):
+        plain = versus.kv_bits(_start_log(bin_dir, smollm2, n_ctx, "--k-stats", str(stats), *extra), shape)
+        assert plain["bits_per_value"] < logged and plain["logged_types"] == ["isoquant3_64/isoquant3_64"], extra
 
 
 def test_default_types_on_gemma3_are_the_same_for_every_sliding_window_size(gemma3):

@@ -50,10 +50,10 @@ def test_series_applies_to_pristine_upstream(upstream_tree, tmp_path):
 def test_upstream_lines_of_the_llama_hooks_stay_few():
     # K centring, deferred prefill and the recent window live in ggml-patches/src/llama (llama-rq), llama_cpp's
     # RotaryQuant arguments in ggml-patches/src/python; the hook patch only adds lines to upstream files: keep it
-    # reviewable (308 added lines when this bound was set)
+    # reviewable (308 added lines when this bound was set; +1 for each new llama-rq unit's CMake line)
     patch = next(p for p in patches.patch_series() if "K-centring" in p.name)
     added = [ln for ln in patch.read_text().splitlines() if ln.startswith("+") and not ln.startswith("+++")]
-    assert 0 < len(added) <= 310, len(added)
+    assert 0 < len(added) <= 311, len(added)
 
 
 def test_broken_patch_is_named(upstream_tree, tmp_path):

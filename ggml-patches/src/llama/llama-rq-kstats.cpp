@@ -175,7 +175,7 @@ static constexpr double   RQ_SELF_BUDGET     = 5.7e11;
 static constexpr uint32_t RQ_SELF_TOKENS_MIN = 320;
 static constexpr uint32_t RQ_SELF_TOKENS_MAX = 1024;
 static constexpr uint32_t RQ_SELF_SEQS   = 8;
-static constexpr uint32_t RQ_SELF_METHOD = 2;
+static constexpr uint32_t RQ_SELF_METHOD = 3; // 3: with the copy task's retrieval ranking
 static constexpr float    RQ_LAM_MIN = 1.0f/256, RQ_LAM_MAX = 256.0f; // rq-calibrate's clip (converter/kcenter.py)
 
 namespace {
@@ -190,6 +190,7 @@ struct rq_kc_collect {
     std::vector<rq_kc_layer> layers;
     std::vector<uint8_t>     buf;
     bool                     bad = false;
+    llama_rq_copy_task *     copy = nullptr; // set while the copy task's sequence runs: its Q/K go there
 };
 
 struct rq_log_quiet_scope {
@@ -198,23 +199,12 @@ struct rq_log_quiet_scope {
 };
 }
 
-// strided read of an F32 [hd, n_head, n_tokens] view: f(token, head, channel, value)
-template <typename F>
-static void rq_read_f32(const ggml_tensor * t, std::vector<uint8_t> & buf, F && f) {
-    buf.resize(ggml_nbytes(t));
-    ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
-    for (int64_t i2 = 0; i2 < t->ne[2]; ++i2) {
-        for (int64_t i1 = 0; i1 < t->ne[1]; ++i1) {
-            const uint8_t * row = buf.data() + i1*t->nb[1] + i2*t->nb[2];
-            for (int64_t i0 = 0; i0 < t->ne[0]; ++i0) {
-                f(i2, i1, i0, *(const float *) (row + i0*t->nb[0]));
-            }
-        }
-    }
-}
-
 static bool rq_kc_cb(ggml_tensor * t, bool ask, void * ud) {
     auto * c = (rq_kc_collect *) ud;
+    if (c->copy) {
+        return ask ? strncmp(t->name, "attn_q_sm-", 10) == 0 || strncmp(t->name, "attn_k_in-", 10) == 0
+                   : (c->copy->take(t, c->buf), true);
+    }
     const bool is_k = strncmp(t->name, "attn_k_in-", 10) == 0;
     const bool is_q = strncmp(t->name, "attn_q_in-", 10) == 0;
     if (ask || (!is_k && !is_q)) {
@@ -265,6 +255,26 @@ static uint32_t rq_self_n_tokens(const llama_model & model) {
     return n/RQ_SELF_SEQS*RQ_SELF_SEQS;
 }
 
+// mu/lam of every layer the pass saw (rq-calibrate's formulas); false: none
+static bool rq_k_stats_reduce(const rq_kc_collect & col, llama_rq_k_center_data & d) {
+    d.off.assign(col.hp.n_layer_all, -1);
+    for (uint32_t il = 0; il < col.hp.n_layer_all; ++il) {
+        const rq_kc_layer & L = col.layers[il];
+        if (L.n == 0) {
+            continue;
+        }
+        d.off[il] = (int32_t) d.mu.size();
+        for (size_t i = 0; i < L.sum.size(); ++i) {
+            const float mu   = (float) (L.sum[i]/L.n);
+            const float kdev = std::max(L.kmax[i] - mu, mu - L.kmin[i]);
+            const float lam  = std::sqrt(std::max(kdev, 1e-6f)/std::max(L.qmax[i], 1e-6f));
+            d.mu.push_back(mu);
+            d.lam.push_back(std::clamp(lam, RQ_LAM_MIN, RQ_LAM_MAX));
+        }
+    }
+    return !d.mu.empty();
+}
+
 static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_k_center_self & out) {
     const llama_hparams & hp    = model.hparams;
     const llama_vocab   & vocab = model.vocab;
@@ -300,11 +310,15 @@ static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_
         }
     }
 
+    // the copy task's tokens come after the statistics' in the same stream: those are what they were before it
+    llama_rq_copy_task copy(ordinary, rng, bos ? vocab.token_bos() : LLAMA_TOKEN_NULL, hp.n_layer_all);
+    const uint32_t n_cells = GGML_PAD(std::max<uint32_t>(n_per, (uint32_t) copy.tokens.size()), 256);
+
     rq_kc_collect col { hp, std::vector<rq_kc_layer>(hp.n_layer_all), {}, false };
     llama_context_params cp = llama_context_default_params();
-    cp.n_ctx       = n_seq*GGML_PAD(n_per, 256); // what llama pads each sequence's cells to anyway, without its WARN
-    cp.n_batch     = b.n_tokens;
-    cp.n_ubatch    = b.n_tokens;
+    cp.n_ctx       = n_seq*n_cells; // what llama pads each sequence's cells to anyway, without its WARN
+    cp.n_batch     = std::max<uint32_t>(b.n_tokens, (uint32_t) copy.tokens.size());
+    cp.n_ubatch    = cp.n_batch;
     cp.n_seq_max   = n_seq;
     cp.type_k      = GGML_TYPE_F16;
     cp.type_v      = GGML_TYPE_F16;
@@ -316,41 +330,30 @@ static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_
     if (n_threads > 0) {
         cp.n_threads = cp.n_threads_batch = n_threads;
     }
+    auto & d = out.data;
     int32_t rc = -1;
     {
         rq_log_quiet_scope quiet;
-        if (llama_context * lctx = llama_init_from_model(&model, cp)) {
-            rc = llama_decode(lctx, b);
-            llama_free(lctx);
+        llama_context * lctx = llama_init_from_model(&model, cp);
+        rc = lctx ? llama_decode(lctx, b) : -1;
+        if (rc == 0 && !col.bad && rq_k_stats_reduce(col, d)) {
+            // the copy task, alone in a second pass (its rows stay out of mu/lam), scored with the mu/lam just measured
+            llama_memory_clear(llama_get_memory(lctx), true);
+            llama_batch bc = llama_batch_get_one(copy.tokens.data(), (int32_t) copy.tokens.size());
+            col.copy = &copy;
+            rc = llama_decode(lctx, bc);
+            col.copy = nullptr;
         }
+        llama_free(lctx);
     }
     const uint32_t n_done = (uint32_t) b.n_tokens;
     llama_batch_free(b);
-    if (rc != 0 || col.bad) {
-        return false;
-    }
-
-    auto & d = out.data;
-    d.off.assign(hp.n_layer_all, -1);
-    for (uint32_t il = 0; il < hp.n_layer_all; ++il) {
-        const rq_kc_layer & L = col.layers[il];
-        if (L.n == 0) {
-            continue;
-        }
-        d.off[il] = (int32_t) d.mu.size();
-        for (size_t i = 0; i < L.sum.size(); ++i) {
-            const float mu   = (float) (L.sum[i]/L.n);
-            const float kdev = std::max(L.kmax[i] - mu, mu - L.kmin[i]);
-            const float lam  = std::sqrt(std::max(kdev, 1e-6f)/std::max(L.qmax[i], 1e-6f));
-            d.mu.push_back(mu);
-            d.lam.push_back(std::clamp(lam, RQ_LAM_MIN, RQ_LAM_MAX));
-        }
-    }
-    if (d.mu.empty()) {
+    if (rc != 0 || col.bad || copy.bad || d.mu.empty()) {
         d = {};
         return false;
     }
-    out.n_tokens = n_done;
+    out.retrieval = copy.losses(hp, d);
+    out.n_tokens  = n_done;
     return true;
 }
 
@@ -403,6 +406,18 @@ static std::string rq_k_stats_read(const std::string & file, const llama_model &
     } catch (const std::exception & e) {
         return e.what();
     }
+    const int kid_r = gguf_find_key(ctx.get(), "rotaryquant.k_stats.retrieval");
+    if (kid_r < 0 || gguf_get_kv_type(ctx.get(), kid_r) != GGUF_TYPE_ARRAY || gguf_get_arr_type(ctx.get(), kid_r) != GGUF_TYPE_FLOAT32 ||
+        gguf_get_arr_n(ctx.get(), kid_r) != hp.n_layer_all) {
+        out.data = {};
+        return format("rotaryquant.k_stats.retrieval is missing or not %u floats (one per layer)", hp.n_layer_all);
+    }
+    const float * r = (const float *) gguf_get_arr_data(ctx.get(), kid_r);
+    if (!std::all_of(r, r + hp.n_layer_all, [](float x) { return std::isfinite(x) && (x >= 0.0f || x == -1.0f); })) {
+        out.data = {};
+        return "rotaryquant.k_stats.retrieval holds a value that is neither a loss (>= 0) nor -1";
+    }
+    out.retrieval.assign(r, r + hp.n_layer_all);
     const int kid_s = gguf_find_key(ctx.get(), "rotaryquant.k_stats.seconds");
     out.n_tokens = (uint32_t) n_tok;
     out.secs_measured = kid_s >= 0 && gguf_get_kv_type(ctx.get(), kid_s) == GGUF_TYPE_FLOAT32 ? gguf_get_val_f32(ctx.get(), kid_s) : 0.0;
@@ -426,6 +441,7 @@ static std::string rq_k_stats_write(const std::string & file, const llama_rq_k_c
     gguf_set_val_u32(ctx.get(), "rotaryquant.k_stats.n_tokens", s.n_tokens);
     gguf_set_val_f32(ctx.get(), "rotaryquant.k_stats.seconds",  (float) s.secs_measured);
     rq_k_center_write(ctx.get(), s.data);
+    gguf_set_arr_data(ctx.get(), "rotaryquant.k_stats.retrieval", GGUF_TYPE_FLOAT32, s.retrieval.data(), s.retrieval.size());
     const std::string tmp = file + format(".tmp%lld", (long long) ggml_time_us());
     if (!gguf_write_to_file(ctx.get(), tmp.c_str(), /*only_meta =*/ true)) {
         std::filesystem::remove(std::filesystem::u8path(tmp), ec);
@@ -468,6 +484,7 @@ bool llama_rq_measure_k_stats(llama_model * model, const char * path, int32_t n_
             return true;
         }
         s->data = {};
+        s->retrieval.clear();
         LLAMA_LOG_WARN("%s: K statistics in %s refused: %s; measuring them again\n", __func__, file.c_str(), why.c_str());
     }
     LLAMA_LOG_INFO("%s: the model has no rotaryquant.k_center calibration: measuring K statistics for K centring on "

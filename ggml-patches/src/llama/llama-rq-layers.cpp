@@ -134,19 +134,18 @@ static double rq_cache_bits(const llama_hparams & hp, ggml_type type_k, ggml_typ
     return values > 0 ? 8*bytes/values : 0;
 }
 
-// The default where full-attention layers are a minority beside sliding-window ones: those few layers alone reach
-// past the window, and their 3-bit K is where long-context retrieval is lost (Gemma3-270M, 16K needles: 18/24 with
-// 3-bit K everywhere, 24/24 with 4-bit K on its 3 full layers, 23/24 on the middle one alone, 22/24 on the first, 18/24
-// on the last). Their K goes to 4 bits, middle layer outwards (a prior from those rows, not a per-model measurement),
-// while one sequence's cache, as the tools size it by default, stays within LLAMA_RQ_KV_AUTO_BITS bits per value at
-// this context's n_ctx_seq (rq_cache_bits).
-static std::string rq_default_layer_types(const llama_model & model, const llama_context_params & params,
-                                          const llama_cparams & cparams) {
+// The candidate layers of the default, best first, and why them (empty: none).
+// - A model whose full-attention layers are a minority beside sliding-window ones: those few layers alone reach past
+//   the window, and their 3-bit K is where long-context retrieval is lost (Gemma3-270M, 16K needles: 18/24 with 3-bit K
+//   everywhere, 24/24 with 4-bit K on its 3 full layers, 23/24 on the middle one alone, 22/24 on the first, 18/24 on
+//   the last). Middle layer outwards: a prior from those rows, not a per-model measurement.
+// - A model of full-attention layers only: ranked by the K statistics' copy task (llama_rq_copy_task), most retrieval
+//   lost at 3 bits first (Qwen2.5-Coder-1.5B: 2K KLD 0.0192 with 4-bit K on its top six, 0.0221 on layers 0-5, at the
+//   same bits). No ranking, no candidates: a calibrated model (rq-calibrate stores none), K centring off. A dry run
+//   (no_alloc) measures nothing and takes the last layers first, which costs the same bytes.
+static std::vector<uint32_t> rq_default_candidates(const llama_model & model, const llama_context_params & params,
+                                                   std::string & why) {
     const llama_hparams & hp = model.hparams;
-    if (!ggml_rq_type_is_iso(params.type_k) || ggml_rq_iso_bits(params.type_k) != 3 ||
-        hp.swa_type == LLAMA_SWA_TYPE_NONE || hp.n_layer_kv_from_start >= 0 || llama_rq_arch_unhooked(model.arch)) {
-        return "";
-    }
     std::vector<uint32_t> full;
     uint32_t n_swa_layers = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
@@ -156,22 +155,64 @@ static std::string rq_default_layer_types(const llama_model & model, const llama
             full.push_back(il);
         }
     }
-    if (full.empty() || full.size() >= n_swa_layers) {
+    if (hp.swa_type != LLAMA_SWA_TYPE_NONE) {
+        if (full.empty() || full.size() >= n_swa_layers) {
+            return {};
+        }
+        const double mid = (full.size() - 1)/2.0;
+        std::vector<uint32_t> order(full.size());
+        for (size_t i = 0; i < order.size(); ++i) {
+            order[i] = (uint32_t) i;
+        }
+        // of two at the same distance, the earlier
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return std::abs(a - mid) < std::abs(b - mid); });
+        for (uint32_t & i : order) {
+            i = full[i];
+        }
+        why = "full-attention layers, middle outwards";
+        return order;
+    }
+    if (params.k_center == LLAMA_K_CENTER_OFF || !model.rq_k_center.off.empty()) {
+        return {};
+    }
+    const llama_rq_k_center_self * s = llama_rq_k_stats(model);
+    if (s && s->retrieval.size() == hp.n_layer_all) {
+        std::vector<uint32_t> order;
+        for (uint32_t il : full) {
+            if (s->retrieval[il] >= 0.0f) {
+                order.push_back(il);
+            }
+        }
+        std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return s->retrieval[a] > s->retrieval[b]; });
+        why = "ranked by the retrieval 3-bit K loses in the K statistics' copy task";
+        return order;
+    }
+    if (hp.no_alloc && model.rq_k_center.self) {
+        why = "a dry run's stand-in for the measured ranking";
+        return std::vector<uint32_t>(full.rbegin(), full.rend());
+    }
+    return {};
+}
+
+// 4-bit K on the candidates in order while one sequence's cache, as the tools size it by default, stays within
+// LLAMA_RQ_KV_AUTO_BITS bits per value at this context's n_ctx_seq (rq_cache_bits)
+static std::string rq_default_layer_types(const llama_model & model, const llama_context_params & params,
+                                          const llama_cparams & cparams) {
+    const llama_hparams & hp = model.hparams;
+    if (!ggml_rq_type_is_iso(params.type_k) || ggml_rq_iso_bits(params.type_k) != 3 || hp.n_layer_kv_from_start >= 0 ||
+        llama_rq_arch_unhooked(model.arch)) {
         return "";
     }
-    // middle outwards; of two at the same distance, the earlier
-    std::vector<uint32_t> order(full.size());
-    for (size_t i = 0; i < order.size(); ++i) {
-        order[i] = (uint32_t) i;
+    std::string why;
+    const std::vector<uint32_t> order = rq_default_candidates(model, params, why);
+    if (order.empty()) {
+        return "";
     }
-    const double mid = (full.size() - 1)/2.0;
-    std::stable_sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return std::abs(a - mid) < std::abs(b - mid); });
-
     const ggml_type k4 = ggml_rq_iso_type(4, ggml_rq_iso_qk(params.type_k));
     std::vector<uint32_t> up;
     double bits = rq_cache_bits(hp, params.type_k, params.type_v, cparams.n_ctx_seq, up, k4);
-    for (uint32_t i : order) {
-        up.push_back(full[i]);
+    for (uint32_t il : order) {
+        up.push_back(il);
         const double b = rq_cache_bits(hp, params.type_k, params.type_v, cparams.n_ctx_seq, up, k4);
         if (b > LLAMA_RQ_KV_AUTO_BITS) {
             up.pop_back();
@@ -180,9 +221,8 @@ static std::string rq_default_layer_types(const llama_model & model, const llama
         bits = b;
     }
     if (up.empty()) {
-        LLAMA_LOG_INFO("%s: per-layer K/V types = uniform (default: 4-bit K on a full-attention layer would take the "
-                       "cache past %.2f bits/value at %u cells, it is at %.2f)\n", __func__, LLAMA_RQ_KV_AUTO_BITS,
-                       cparams.n_ctx_seq, bits);
+        LLAMA_LOG_INFO("%s: per-layer K/V types = uniform (default: 4-bit K on one more layer would take the cache past "
+                       "%.2f bits/value at %u cells, it is at %.2f)\n", __func__, LLAMA_RQ_KV_AUTO_BITS, cparams.n_ctx_seq, bits);
         return "";
     }
     std::sort(up.begin(), up.end());
@@ -191,9 +231,9 @@ static std::string rq_default_layer_types(const llama_model & model, const llama
         spec   += format("%s%u=%s/%s", spec.empty() ? "" : ",", il, ggml_type_name(k4), ggml_type_name(params.type_v));
         layers += format("%s%u", layers.empty() ? "" : " ", il);
     }
-    LLAMA_LOG_INFO("%s: per-layer K/V types (default): K of full-attention layer(s) %s at 4 bits, %.2f bits/value at "
-                   "%u cells (within %.2f); --kv-layer-types none keeps every layer at %s\n", __func__, layers.c_str(),
-                   bits, cparams.n_ctx_seq, LLAMA_RQ_KV_AUTO_BITS, ggml_type_name(params.type_k));
+    LLAMA_LOG_INFO("%s: per-layer K/V types (default): K of layer(s) %s at 4 bits, %.2f bits/value at %u cells (within "
+                   "%.2f; %s); --kv-layer-types none keeps every layer at %s\n", __func__, layers.c_str(), bits,
+                   cparams.n_ctx_seq, LLAMA_RQ_KV_AUTO_BITS, why.c_str(), ggml_type_name(params.type_k));
     return spec;
 }
 

@@ -227,7 +227,7 @@ void llama_kv_rq::drop_all() {
 //
 
 llama_rq_attn::llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp,
-        ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, int il) :
+        ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, float kq_scale, int il) :
     g(g), mctx(mctx), inp(inp), q_raw(q_cur), k_raw(k_cur), v_raw(v_cur), il(il) {
     ggml_context * ctx0 = g.ctx0;
 
@@ -242,6 +242,10 @@ llama_rq_attn::llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_c
             g.cb(t_in, name, il);
             ggml_build_forward_expand(g.gf, t_in);
         }
+        // the scale softmax applies comes as an argument, not in q (Gemma3 scales q itself and passes 1)
+        ggml_tensor * q_sm = ggml_scale(ctx0, q_cur, kq_scale);
+        g.cb(q_sm, "attn_q_sm", il);
+        ggml_build_forward_expand(g.gf, q_sm);
     }
 
     dfr = !g.cparams.training && inp.w_rows != nullptr;

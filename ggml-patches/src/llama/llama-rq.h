@@ -51,8 +51,9 @@ bool llama_rq_state_file_check(const char * path);
 
 // the context's per-layer types (llama-rq-layers.cpp) from its kv_layer_types: "model" is the allocation rq-calibrate
 // --kv-bits stored in the model (rotaryquant.kv_alloc.layer_types; throws with the fix when there is none), "none" the
-// plain type_k/type_v everywhere, none given the default (4-bit K on full-attention layers of a sliding-window model
-// while the cache stays within LLAMA_RQ_KV_AUTO_BITS), anything else is taken as given
+// plain type_k/type_v everywhere, none given the default (4-bit K on a sliding-window model's full-attention layers,
+// or on the layers the K statistics' copy task ranks first, while the cache stays within LLAMA_RQ_KV_AUTO_BITS),
+// anything else is taken as given
 struct llama_cparams;
 std::string llama_rq_kv_layer_types(const llama_model & model, const llama_context_params & params,
                                     const llama_cparams & cparams);
@@ -75,6 +76,7 @@ struct llama_rq_k_center_self {
     double                 secs_measured = 0.0; // the measurement's
     uint32_t               n_tokens = 0;
     llama_rq_k_center_data data;                // off empty: none (not measured, or the pass failed)
+    std::vector<float>     retrieval;           // per layer: what 3-bit K costs its retrieval (llama_rq_copy_task), -1: none
 };
 
 // at model load: reads rotaryquant.k_center.* (throws with the fix on a malformed or foreign calibration); without
@@ -245,12 +247,14 @@ private:
     void add_bytes(int64_t n);
 };
 
-// one attention layer's rewrite in llm_graph_context::build_attn: K centring of q/k (and the calibration's named
-// inputs attn_q_in/attn_k_in/attn_v_in under an eval callback); for a ubatch that attends through the deferred
+// one attention layer's rewrite in llm_graph_context::build_attn: K centring of q/k (and, under an eval callback, the
+// named inputs attn_q_in/attn_k_in/attn_v_in and attn_q_sm, q times the softmax scale: what the K statistics and the
+// retrieval ranking read); for a ubatch that attends through the deferred
 // transient, q as the model computed it and K/V in the model's basis
 struct llama_rq_attn {
     llama_rq_attn(const llm_graph_context & g, const llama_kv_cache_context * mctx, const llama_rq_dfr_inputs & inp,
-                  ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, int il);
+                  ggml_tensor *& q_cur, ggml_tensor *& k_cur, ggml_tensor * v_cur, ggml_tensor * sinks, float kq_scale,
+                  int il);
 
     // after attn_rot: the rewritten q is not read when attending through the transient
     void raw_q(ggml_tensor *& q_cur) const { if (dfr) { q_cur = q_raw; } }
