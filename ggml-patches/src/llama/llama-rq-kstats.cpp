@@ -331,7 +331,7 @@ static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_
         cp.n_threads = cp.n_threads_batch = n_threads;
     }
     auto & d = out.data;
-    int32_t rc = -1;
+    int32_t rc = -1, rc_copy = -1;
     {
         rq_log_quiet_scope quiet;
         llama_context * lctx = llama_init_from_model(&model, cp);
@@ -341,18 +341,19 @@ static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_
             llama_memory_clear(llama_get_memory(lctx), true);
             llama_batch bc = llama_batch_get_one(copy.tokens.data(), (int32_t) copy.tokens.size());
             col.copy = &copy;
-            rc = llama_decode(lctx, bc);
+            rc_copy = llama_decode(lctx, bc);
             col.copy = nullptr;
         }
         llama_free(lctx);
     }
     const uint32_t n_done = (uint32_t) b.n_tokens;
     llama_batch_free(b);
-    if (rc != 0 || col.bad || copy.bad || d.mu.empty()) {
+    if (rc != 0 || col.bad || d.mu.empty()) {
         d = {};
         return false;
     }
-    out.retrieval = copy.losses(hp, d);
+    // the ranking is an extra: without it (-1 everywhere) the default types stay uniform and the statistics stand
+    out.retrieval = rc_copy == 0 && !copy.bad ? copy.losses(hp, d) : std::vector<float>(hp.n_layer_all, -1.0f);
     out.n_tokens  = n_done;
     return true;
 }
