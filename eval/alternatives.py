@@ -302,18 +302,21 @@ def _needles(data: dict, ctxs: tuple[int, ...] = (DEPTH, 2 * DEPTH)) -> str | No
 
 
 def _speed(data: dict) -> str | None:
-    """Decode after DEPTH tokens: ours over its own f16, and the fastest peer cache at <= BUDGET bits in t/s."""
+    """Decode after DEPTH tokens: ours and the fastest peer cache at <= BUDGET bits, each over its own build's f16 in
+    the same run (the ratio: rows re-measured on another day keep it, their t/s move with the machine), t/s beside."""
     parts = []
     for model, configs in data.items():
         ratio, tps = _value(configs.get(OURS), "decode", "decode_tps_vs_f16"), _value(configs.get(OURS), "decode",
                                                                                          "decode_tps")
-        peers = [(label, v) for label, c in _peers(configs) if within(bits(c))
-                 and (v := _value(c, "decode", "decode_tps")) is not None]
+        peers = [(label, r, _value(c, "decode", "decode_tps")) for label, c in _peers(configs) if within(bits(c))
+                 and (r := _value(c, "decode", "decode_tps_vs_f16")) is not None]
         if ratio is None or not peers:
             continue
-        fast = max(peers, key=lambda lv: lv[1])
-        parts.append(f"{_short(model)} {ratio:.2f}× its f16, {tps:.1f} t/s; fastest peer {fast[0]} {fast[1]:.1f} t/s")
-    return ("decode after an 8K prompt: " + "; ".join(parts)) if parts else None
+        fast = max(peers, key=lambda p: p[1])
+        parts.append(f"{_short(model)} {ratio:.2f}× its f16 ({tps:.1f} t/s); fastest peer {fast[0]} {fast[1]:.2f}× "
+                     f"its f16 ({fast[2]:.1f} t/s)")
+    return ("decode after an 8K prompt, over each build's own f16 (t/s from the day each row was run): "
+            + "; ".join(parts)) if parts else None
 
 
 # weight types of a peer that beat ours (rq-convert recipes) at no more bits: the measured cause, named in the line

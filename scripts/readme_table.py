@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -61,6 +62,32 @@ def versus_kld(name: str, config: str = "ours:isoquant3_0") -> float:
     if len(rows) != 1:
         raise KeyError(f"{name}.json: {len(rows)} kld rows for {config!r}")
     return rows[0]["kld_mean"]
+
+
+def versus_ttft(name: str, config: str = "ours:isoquant3_0") -> float:
+    """Seconds a first start with this configuration adds over the same build's F16 start (rq-eval versus ttft)."""
+    rows = [r for r in load(name)["ttft"] if r["config"] == config and "added_s" in r]
+    if len(rows) != 1:
+        raise KeyError(f"{name}.json: {len(rows)} ttft rows for {config!r}")
+    return rows[0]["added_s"]
+
+
+def versus_kld_bits(name: str, config: str = "ours:isoquant3_0") -> float:
+    """The bits/value the KLD run of one configuration logged (at context CTX)."""
+    rows = [r for r in load(name)["kld"] if r["config"] == config and "kld_mean" in r]
+    if len(rows) != 1:
+        raise KeyError(f"{name}.json: {len(rows)} kld rows for {config!r}")
+    return rows[0]["bits_per_value"]
+
+
+def versus_kld_layers(name: str, config: str = "ours:isoquant3_0") -> str:
+    """The layers whose K the default put at 4 bits in that configuration's KLD run, as its log named them."""
+    rows = [r for r in load(name)["kld"] if r["config"] == config and "kld_mean" in r]
+    notes = [n for r in rows for n in r.get("notes", []) if n.startswith("per-layer K/V types (default)")]
+    m = re.search(r"layer\(s\) ([\d ]+) at 4 bits", notes[0]) if len(notes) == 1 else None
+    if not m:
+        raise KeyError(f"{name}.json: no default per-layer types logged for {config!r}")
+    return m.group(1)
 
 
 def versus_needles(name: str, ctx: int, config: str = "ours:isoquant3_0") -> str:
@@ -225,12 +252,11 @@ def kv_rows() -> list[tuple[str, ...]]:
          + f"; needles {needles('niah', 'q8_0/isoquant3_0')}",
          tg("q8_0/isoquant3_0"), "without calibration: keeps quality"),
         ("KV `isoquant3_0` K and V, not calibrated: all defaults (self-calibrated K, 16-position window)",
-         f"{win_bits:.3g}",
+         f"{versus_kld_bits('versus-kld-gemma3'):.2f} / {versus_kld_bits('versus-kld-qwen'):.2f}",
          f"{sig3(dflt_g)} / {sig3(dflt_q)}",
          "–", holds(dflt_q < 0.09 and dflt_g < 0.1,
                     "works as downloaded: the library measures K statistics once per model file and keeps them³; "
-                    "needles with these defaults (on Gemma3 from 8K also 4-bit K on full-attention layers within "
-                    "3.5 bits/value⁵) at 8K "
+                    "with them, 4-bit K on the layers that need it most within 3.5 bits/value⁵; needles at 8K "
                     f"{versus_needles('versus-niah-gemma3', 8192)} / {versus_needles('versus-niah-qwen', 8192)}, "
                     f"at 16K {versus_needles('versus-niah-gemma3', 16384)} / "
                     f"{versus_needles('versus-niah-qwen', 16384)}; "
@@ -302,17 +328,20 @@ def table() -> str:
         "",
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
         "² another run (kv-bench-deferred). ³ one forward pass over 320–1024 pseudo-random tokens (sized by the model's "
-        "parameters) at the first start (docs/k-center.md): 1.9 s on Gemma3 (1024), 4.1 s on Qwen2.5-1.5B (320) with 2 "
-        "cores, then kept in llama.cpp's cache "
+        "parameters) and a 97-token copy task at the first start (docs/k-center.md): "
+        f"+{versus_ttft('versus-8k-gemma3'):.1f} s on Gemma3 (1024), +{versus_ttft('versus-8k-qwen'):.1f} s on "
+        "Qwen2.5-1.5B (320) over an F16 start with 2 cores, then kept in llama.cpp's cache "
         "directory (`--k-stats`); rq-calibrate stores statistics in the model file instead. "
         f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
         "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 2·16 rows per "
         "sequence and layer, 0.6 MiB on Gemma3). The other IsoQuant-V rows were "
         "measured without the window (`--kv-window 0`), which is now on by default for them too. "
         f"⁵ bits/value as logged at 8K / 16K: {versus_bits('versus-niah-gemma3', 8192):.2f} / "
-        f"{versus_bits('versus-niah-gemma3', 16384):.2f} (full layer 11's K at 4 bits; none at 2K, where the window "
-        "alone takes Gemma3 past 3.5), Qwen (full attention everywhere, left as it is) "
-        f"{versus_bits('versus-niah-qwen', 16384):.2f} at 16K; which layers: docs/usage.md. "
+        f"{versus_bits('versus-niah-gemma3', 16384):.2f} (Gemma3: its full layer 11's K at 4 bits, the middle "
+        "full-attention layer first; none at 2K, where the window alone takes it past 3.5); on a model with full "
+        "attention everywhere the layers its K statistics' copy task ranks first (Qwen at 2K: layers "
+        f"{versus_kld_layers('versus-kld-qwen')} of 0-27, {versus_kld_bits('versus-kld-qwen'):.2f} bits); Qwen's needles were measured before that ranking, 3-bit K "
+        f"everywhere ({versus_bits('versus-niah-qwen', 16384):.2f} bits at 16K); which layers: docs/usage.md. "
         "–: not measured beside f16.",
     ]
     return "\n".join([BEGIN, *head, *body, *foot, END])
