@@ -57,33 +57,32 @@ def kld(name: str, label: str, ctx: int = CTX) -> float:
     return rows[0]["kld_mean"]
 
 
-def versus_kld(name: str, config: str = "ours:isoquant3_0") -> float:
-    rows = [r for r in load(name)["kld"] if r["config"] == config and "kld_mean" in r]
+def versus_row(name: str, measure: str, key: str, config: str = "ours:isoquant3_0") -> dict:
+    """The one row of a configuration that holds `key` in an rq-eval versus file's `measure` ("kld", "ttft", ...)."""
+    rows = [r for r in load(name)[measure] if r["config"] == config and key in r]
     if len(rows) != 1:
-        raise KeyError(f"{name}.json: {len(rows)} kld rows for {config!r}")
-    return rows[0]["kld_mean"]
+        raise KeyError(f"{name}.json: {len(rows)} {measure} rows for {config!r}")
+    return rows[0]
+
+
+def versus_kld(name: str, config: str = "ours:isoquant3_0") -> float:
+    return versus_row(name, "kld", "kld_mean", config)["kld_mean"]
 
 
 def versus_ttft(name: str, config: str = "ours:isoquant3_0") -> float:
     """Seconds a first start with this configuration adds over the same build's F16 start (rq-eval versus ttft)."""
-    rows = [r for r in load(name)["ttft"] if r["config"] == config and "added_s" in r]
-    if len(rows) != 1:
-        raise KeyError(f"{name}.json: {len(rows)} ttft rows for {config!r}")
-    return rows[0]["added_s"]
+    return versus_row(name, "ttft", "added_s", config)["added_s"]
 
 
 def versus_kld_bits(name: str, config: str = "ours:isoquant3_0") -> float:
     """The bits/value the KLD run of one configuration logged (at context CTX)."""
-    rows = [r for r in load(name)["kld"] if r["config"] == config and "kld_mean" in r]
-    if len(rows) != 1:
-        raise KeyError(f"{name}.json: {len(rows)} kld rows for {config!r}")
-    return rows[0]["bits_per_value"]
+    return versus_row(name, "kld", "kld_mean", config)["bits_per_value"]
 
 
 def versus_kld_layers(name: str, config: str = "ours:isoquant3_0") -> str:
     """The layers whose K the default put at 4 bits in that configuration's KLD run, as its log named them."""
-    rows = [r for r in load(name)["kld"] if r["config"] == config and "kld_mean" in r]
-    notes = [n for r in rows for n in r.get("notes", []) if n.startswith("per-layer K/V types (default)")]
+    notes = [n for n in versus_row(name, "kld", "kld_mean", config).get("notes", [])
+             if n.startswith("per-layer K/V types (default)")]
     m = re.search(r"layer\(s\) ([\d ]+) at 4 bits", notes[0]) if len(notes) == 1 else None
     if not m:
         raise KeyError(f"{name}.json: no default per-layer types logged for {config!r}")
