@@ -459,14 +459,19 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
 
 
 def merge(old: dict, new: dict) -> dict:
-    """new, plus old's rows (per measurement) of the configurations new did not measure there: runs share one file,
-    each row still scored against the F16 of its own run (its ratios are stored with it)."""
+    """new, plus old's rows (per measurement) of the configurations new did not measure there, at a context it did
+    not measure them at (needles at 8K keep the same configuration's 16K rows): runs share one file, each row still
+    scored against the F16 of its own run (its ratios are stored with it)."""
     if not old:
         return new
+
+    def key(r: dict) -> tuple:
+        return r["config"], r.get("ctx")
+
     out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
     for m in MEASURES:
-        ran = {r["config"] for r in new.get(m) or []}
-        kept = [r for r in old.get(m) or [] if r["config"] not in ran]
+        ran = {key(r) for r in new.get(m) or []}
+        kept = [r for r in old.get(m) or [] if key(r) not in ran]
         if kept or new.get(m):
             out[m] = kept + list(new.get(m) or [])
     out["runs"] = [*old.get("runs", []), *new.get("runs", [])]

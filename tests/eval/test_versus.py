@@ -182,6 +182,11 @@ def test_merge_keeps_the_rows_a_run_did_not_redo():
     m = versus.merge(old, new)
     assert m["kld"] == [{"config": "a:q8_0", "x": 1}, {"config": "b:q8_0", "x": 3}] and m["runs"] == [["r1"], ["r2"]]
     assert set(m["builds"]) == {"a", "b"} and versus.merge({}, new) is new
+    # needles at one context keep the same configuration's rows at another
+    old = {"niah": [{"config": "a:x", "ctx": 8192, "found": 1}, {"config": "a:x", "ctx": 16384, "found": 2}]}
+    new = {"niah": [{"config": "a:x", "ctx": 8192, "found": 3}]}
+    assert versus.merge(old, new)["niah"] == [{"config": "a:x", "ctx": 16384, "found": 2},
+                                              {"config": "a:x", "ctx": 8192, "found": 3}]
 
 
 def test_environment_words_are_the_runs_environment_not_flags():
