@@ -586,7 +586,9 @@ def _rows_niah(rows: list[dict]) -> list[str]:
             bad = [r for r in at if "error" in r]
             cells.append("–" if not at else f"did not run ({bad[0]['error']})" if bad else
                          f"{sum(r['found'] for r in at)}/{sum(r['asked'] for r in at)}")
-        out.append(f"| {cfg} | {_bits(mine[0])} | " + " | ".join(cells) + " |")
+        # the default per-layer types depend on the context: its bits, one per context where they differ
+        bits = dict.fromkeys(_bits(next(r for r in mine if r["ctx"] == c)) for c in ctxs if any(r["ctx"] == c for r in mine))
+        out.append(f"| {cfg} | {' / '.join(bits)} | " + " | ".join(cells) + " |")
     return out
 
 
