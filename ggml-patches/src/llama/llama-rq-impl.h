@@ -63,15 +63,16 @@ inline void rq_read_f32(const ggml_tensor * t, std::vector<uint8_t> & buf, F && 
 // statistics' pass, BOS, L distinct ordinary tokens, the same L again. In the second copy an induction (retrieval) head
 // attends from each token to the successor of its earlier occurrence, L - 1 positions back: beyond the recent window,
 // so what the 3-bit quantiser does to K there is what it does to retrieval over long contexts. Per layer, the share of
-// that attention 3-bit K gives up. L = 48: the ranking it gives on Qwen2.5-1.5B buys 2K KLD 0.019 at 3.49 bits with six
-// 4-bit K layers, as L = 1024's does, for a second of the first start
+// that attention 3-bit K gives up. L = 48: on Qwen2.5-1.5B its six layers give 2K KLD 0.0196 at 3.49 bits, where an
+// offline study's at L = 1024 gave 0.0192, for ~2 s of Qwen's first start (97 tokens of forward pass)
 struct llama_rq_copy_task {
     static constexpr uint32_t L = 48;
 
     llama_rq_copy_task(const std::vector<llama_token> & ordinary, std::mt19937 & rng, llama_token bos, uint32_t n_layer);
 
-    // under the pass's eval callback: keeps attn_q_sm-N / attn_k_in-N (true), any other tensor is not its (false)
-    bool take(const ggml_tensor * t, std::vector<uint8_t> & buf);
+    // under the pass's eval callback: the tensors it reads (attn_q_sm-N, attn_k_in-N), and keeping one it asked for
+    static bool wants(const ggml_tensor * t);
+    void take(const ggml_tensor * t, std::vector<uint8_t> & buf);
     // per layer (n_layer): what 3-bit K loses, centred with d's mu/lam; -1 where not measured
     std::vector<float> losses(const llama_hparams & hp, const llama_rq_k_center_data & d) const;
 

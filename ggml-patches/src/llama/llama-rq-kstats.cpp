@@ -202,8 +202,7 @@ struct rq_log_quiet_scope {
 static bool rq_kc_cb(ggml_tensor * t, bool ask, void * ud) {
     auto * c = (rq_kc_collect *) ud;
     if (c->copy) {
-        return ask ? strncmp(t->name, "attn_q_sm-", 10) == 0 || strncmp(t->name, "attn_k_in-", 10) == 0
-                   : (c->copy->take(t, c->buf), true);
+        return ask ? llama_rq_copy_task::wants(t) : (c->copy->take(t, c->buf), true);
     }
     const bool is_k = strncmp(t->name, "attn_k_in-", 10) == 0;
     const bool is_q = strncmp(t->name, "attn_q_in-", 10) == 0;

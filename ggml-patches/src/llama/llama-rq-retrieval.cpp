@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -31,24 +30,22 @@ llama_rq_copy_task::llama_rq_copy_task(const std::vector<llama_token> & ordinary
     tokens.insert(tokens.end(), body.begin(), body.end());
 }
 
-bool llama_rq_copy_task::take(const ggml_tensor * t, std::vector<uint8_t> & buf) {
-    const bool is_q = strncmp(t->name, "attn_q_sm-", 10) == 0;
-    const bool is_k = strncmp(t->name, "attn_k_in-", 10) == 0;
-    if (!is_q && !is_k) {
-        return false;
-    }
+bool llama_rq_copy_task::wants(const ggml_tensor * t) {
+    return strncmp(t->name, "attn_q_sm-", 10) == 0 || strncmp(t->name, "attn_k_in-", 10) == 0;
+}
+
+void llama_rq_copy_task::take(const ggml_tensor * t, std::vector<uint8_t> & buf) {
     const int il = atoi(t->name + 10);
     if (t->type != GGML_TYPE_F32 || t->ne[3] != 1 || t->ne[2] != (int64_t) tokens.size() || il < 0 ||
         (size_t) il >= q.size()) {
         bad = true;
-        return true;
+        return;
     }
-    std::vector<float> & dst = is_q ? q[il] : k[il];
+    std::vector<float> & dst = strncmp(t->name, "attn_q_sm-", 10) == 0 ? q[il] : k[il];
     dst.resize(t->ne[0]*t->ne[1]*t->ne[2]);
     rq_read_f32(t, buf, [&](int64_t i, int64_t h, int64_t j, float x) {
         dst[(i*t->ne[1] + h)*t->ne[0] + j] = x;
     });
-    return true;
 }
 
 // layer il: mean over query heads and the second copy's queries of the softmax weight on the earlier occurrence's
