@@ -127,9 +127,9 @@ def test_window_memory_is_reported(gemma3):
                               flash_attn=True, type_k=tt, type_v=tt, kv_window=w, k_center=False)
         mems.append(llama_cpp.llama_rq_get_memory(llm.ctx).kv_other)
         del llm
-    # (2 x 16 positions x 1 sequence + 1 spare) x 18 layers x (K + V) x n_embd_gqa 256 x 2 bytes, whatever the ubatch
+    # (16 positions x 1 sequence + 1 spare) x 18 layers x (K + V) x n_embd_gqa 256 x 2 bytes, whatever the ubatch
     # (it reads its own tokens' rows from the graph); not naming a window (None, the C default -1) is 16 positions
-    assert mems[1] - mems[0] == (2 * 16 + 1) * 18 * 2 * 256 * 2, mems
+    assert mems[1] - mems[0] == (16 + 1) * 18 * 2 * 256 * 2, mems
     assert mems[2] == mems[1], mems
 
 
@@ -140,7 +140,7 @@ def test_memory_planning_counts_a_window(gemma3):
     with NoAllocModel(gemma3) as m:
         plain, w16 = m.context("isoquant3_0", 1024), m.context("isoquant3_0+w16", 1024)
     assert not plain.error and not w16.error, (plain.error, w16.error)
-    assert w16.kv_other - plain.kv_other == (2 * 16 + 1) * 18 * 2 * 256 * 2, (w16.kv_other, plain.kv_other)
+    assert w16.kv_other - plain.kv_other == (16 + 1) * 18 * 2 * 256 * 2, (w16.kv_other, plain.kv_other)
 
 
 def test_window_needs_isoquant_v(gemma3, capfd):

@@ -108,7 +108,7 @@ static std::string rq_model_layer_types(const llama_model & model) {
 
 // bits per cached value of one sequence's caches with K of the layers in `up` at type k4 (the others at type_k), as
 // llama.cpp's tools size them by default: full-attention caches of n_ctx_seq cells, sliding-window ones of n_swa +
-// 512 (the default ubatch) padded to 256, and the default recent window's 2*16+1 F16 rows beside a layer whose V is
+// 512 (the default ubatch) padded to 256, and the default recent window's 16+1 F16 rows beside a layer whose V is
 // IsoQuant. What the tools' size lines and init_window log with their defaults. It depends on the model, n_ctx_seq and
 // the types only: a context with another window, ubatch, sequence count or full-size sliding-window caches (swa_full:
 // llama.h's default, Llama(...) too) takes the same types, so state files and A/B runs (window on/off, fused/unfused)
@@ -116,7 +116,7 @@ static std::string rq_model_layer_types(const llama_model & model) {
 static double rq_cache_bits(const llama_hparams & hp, ggml_type type_k, ggml_type type_v, uint32_t n_ctx_seq,
                             const std::vector<uint32_t> & up, ggml_type k4) {
     const uint32_t size_swa = GGML_PAD(std::min(n_ctx_seq, hp.n_swa + 512), 256);
-    const uint64_t win_rows = 2ull*LLAMA_RQ_KV_WINDOW_DEFAULT + 1;
+    const uint64_t win_rows = LLAMA_RQ_KV_WINDOW_DEFAULT + 1;
     double bytes = 0, values = 0;
     for (uint32_t il = 0; il < hp.n_layer(); ++il) {
         if (!hp.has_kv(il)) {

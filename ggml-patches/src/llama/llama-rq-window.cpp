@@ -50,9 +50,9 @@ void llama_kv_rq::init_window(ggml_type type_v) {
     }
 
     const uint32_t w = dflt ? LLAMA_RQ_KV_WINDOW_DEFAULT : (uint32_t) params.kv_window;
-    // a ubatch reads its own tokens' rows from the graph (build_window); the pool keeps, per sequence, the last w - 1
-    // positions before the ubatch and the last w - 1 of the ubatch (the first are released at the next ubatch)
-    const uint32_t budget = 2*w*kv.n_seq_max;
+    // a ubatch reads its own tokens' rows from the graph and the pool from a copy the graph takes before writing it
+    // (build_window), so the pool keeps only rows a later query can use: at most w - 1 positions per sequence
+    const uint32_t budget = w*kv.n_seq_max;
 
     rq_buft_ctxs ctxs;
     size_t row_bytes = 0;
@@ -111,34 +111,10 @@ void llama_kv_rq::win_release(uint32_t row) {
     win_free.push_back(row);
 }
 
-void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub) {
-    win_w.clear();
-    win_rows.clear();
-    win_until.clear();
-    win_qpos.clear();
-    if (win == 0) {
-        return;
-    }
+void llama_kv_rq::win_release_unused(const std::vector<llama_pos> & next) {
+    // a row stays while a query of one of its cell's sequences can still use it: its position is within win - 1 of the
+    // sequence's next query position (next[s]; none given: the position after the sequence's last cell)
     const uint32_t kv_size = kv.get_size();
-    const uint32_t n_seq   = kv.n_seq_max;
-
-    // the first position each sequence of the ubatch queries at
-    std::vector<llama_pos> first(n_seq, std::numeric_limits<llama_pos>::max());
-    for (uint32_t i = 0; i < ub.n_tokens; ++i) {
-        for (int32_t j = 0; j < ub.n_seq_id[i]; ++j) {
-            first[ub.seq_id[i][j]] = std::min(first[ub.seq_id[i][j]], ub.pos[i]);
-        }
-    }
-    // rows of the cells this ubatch overwrites, of cells emptied or moved, and rows no query can use any more (every
-    // sequence of the cell has moved past the window: its next query position is beyond until = pos + win - 1)
-    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
-        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
-            const int64_t c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
-            if (win_row_of_cell[c] >= 0) {
-                win_release(win_row_of_cell[c]);
-            }
-        }
-    }
     for (uint32_t r = 0; r < win_budget; ++r) {
         const int64_t c = win_cell_of_row[r];
         if (c < 0) {
@@ -149,10 +125,10 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
         bool keep = cell_holds(c, win_pos_of_row[r]);
         if (keep) {
             keep = false;
-            for (llama_seq_id s = 0; s < (llama_seq_id) n_seq && !keep; ++s) {
+            for (llama_seq_id s = 0; s < (llama_seq_id) kv.n_seq_max && !keep; ++s) {
                 if (cells.seq_has(idx, s)) {
-                    const llama_pos next = first[s] != std::numeric_limits<llama_pos>::max() ? first[s] : cells.seq_pos_max(s) + 1;
-                    keep = win_pos_of_row[r] + (llama_pos) win > next;
+                    const llama_pos n = next[s] != std::numeric_limits<llama_pos>::max() ? next[s] : cells.seq_pos_max(s) + 1;
+                    keep = win_pos_of_row[r] + (llama_pos) win > n;
                 }
             }
         }
@@ -160,44 +136,41 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
             win_release(r);
         }
     }
+}
 
-    // the ubatch's own queries read its tokens' rows from the graph; a pool row for each token that a later query of
-    // one of its sequences can still use (within win - 1 positions of the sequence's last one in this ubatch)
-    std::vector<llama_pos> last(n_seq, std::numeric_limits<llama_pos>::min());
+void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llama_ubatch & ub) {
+    win_w.clear();
+    win_rows.clear();
+    win_until.clear();
+    win_qpos.clear();
+    if (win == 0) {
+        return;
+    }
+    const uint32_t kv_size = kv.get_size();
+    const uint32_t n_seq   = kv.n_seq_max;
+    const llama_pos none   = std::numeric_limits<llama_pos>::max();
+
+    // the first position each sequence of the ubatch queries at, and the one after its last
+    std::vector<llama_pos> first(n_seq, none), after(n_seq, none);
     for (uint32_t i = 0; i < ub.n_tokens; ++i) {
         for (int32_t j = 0; j < ub.n_seq_id[i]; ++j) {
-            last[ub.seq_id[i][j]] = std::max(last[ub.seq_id[i][j]], ub.pos[i]);
+            const llama_seq_id s = ub.seq_id[i][j];
+            first[s] = std::min(first[s], ub.pos[i]);
+            after[s] = after[s] == none ? ub.pos[i] + 1 : std::max(after[s], ub.pos[i] + 1);
         }
     }
-    win_w.assign(ub.n_tokens, win_budget); // the spare row
+    // rows of the cells this ubatch overwrites, of cells emptied or moved, and rows this ubatch's queries cannot use
     for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
         for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
-            const uint32_t i = s*sinfo.size() + ii;
-            const int64_t  c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
-            bool later = false;
-            for (int32_t j = 0; j < ub.n_seq_id[i] && !later; ++j) {
-                later = ub.pos[i] + (llama_pos) win > last[ub.seq_id[i][j]] + 1;
+            const int64_t c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            if (win_row_of_cell[c] >= 0) {
+                win_release(win_row_of_cell[c]);
             }
-            if (!later) {
-                continue;
-            }
-            if (win_free.empty()) {
-                if (!win_full_logged) {
-                    LLAMA_LOG_WARN("%s: recent window: no free row (%u rows); some keys are read packed\n", __func__, win_budget);
-                    win_full_logged = true;
-                }
-                continue;
-            }
-            const int32_t r = win_free.back();
-            win_free.pop_back();
-            win_row_of_cell[c] = r;
-            win_cell_of_row[r] = c;
-            win_pos_of_row[r]  = ub.pos[i];
-            win_w[i] = r;
         }
     }
+    win_release_unused(first);
 
-    // the attended view: cells [0, n_kv) of streams s0..s1
+    // the attended view: cells [0, n_kv) of streams s0..s1, read from the graph's copy of the pool as it is now
     const uint32_t n_kv = kv.get_n_kv(sinfo);
     win_ns = sinfo.s1 - sinfo.s0 + 1;
     GGML_ASSERT(ub.n_tokens % win_ns == 0);
@@ -219,6 +192,37 @@ void llama_kv_rq::win_ubatch(const llama_kv_cache::slot_info & sinfo, const llam
         }
     }
     win_qpos.assign(ub.pos, ub.pos + ub.n_tokens);
+
+    // rows no query after this ubatch can use are free for its tokens now: the graph copies the pool before it writes
+    win_release_unused(after);
+    // a pool row for each of the ubatch's tokens that a later query of one of its sequences can still use
+    win_w.assign(ub.n_tokens, win_budget); // the spare row
+    for (uint32_t s = 0; s < sinfo.n_stream(); ++s) {
+        for (uint32_t ii = 0; ii < sinfo.size(); ++ii) {
+            const uint32_t i = s*sinfo.size() + ii;
+            const int64_t  c = (int64_t) sinfo.strm[s]*kv_size + sinfo.idxs[s][ii];
+            bool later = false;
+            for (int32_t j = 0; j < ub.n_seq_id[i] && !later; ++j) {
+                later = ub.pos[i] + (llama_pos) win > after[ub.seq_id[i][j]];
+            }
+            if (!later) {
+                continue;
+            }
+            if (win_free.empty()) {
+                if (!win_full_logged) {
+                    LLAMA_LOG_WARN("%s: recent window: no free row (%u rows); some keys are read packed\n", __func__, win_budget);
+                    win_full_logged = true;
+                }
+                continue;
+            }
+            const int32_t r = win_free.back();
+            win_free.pop_back();
+            win_row_of_cell[c] = r;
+            win_cell_of_row[r] = c;
+            win_pos_of_row[r]  = ub.pos[i];
+            win_w[i] = r;
+        }
+    }
 }
 
 namespace {
@@ -289,19 +293,19 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_kv_rq::build_window(ggml_context *
     if (!inp.win_w || !k_win[ikv] || !k_cur || !v_cur) {
         return { nullptr, nullptr };
     }
-    // the pool after the ubatch's tokens that stay went in, then those tokens' rows as F16 (the same rounding as the
-    // pool's): the kernel's source of exact rows, the ubatch's own at win_budget + 1 + i
+    // a copy of the pool as the ubatch found it, then the ubatch's tokens' rows as F16 (the same rounding as the
+    // pool's): the kernel's source of exact rows, the ubatch's own at win_budget + 1 + i. The rows that stay go into the
+    // pool after the copy (nodes run in graph order): they may take rows of keys only this ubatch still reads
     const auto write = [&](ggml_tensor * rows, ggml_tensor * cur) {
         cur = ggml_is_contiguous(cur) ? cur : ggml_cont(ctx, cur);
         cur = ggml_reshape_2d(ctx, cur, rows->ne[0], ggml_nelements(cur)/rows->ne[0]);
-        ggml_tensor * w = ggml_set_rows(ctx, rows, cur, inp.win_w);
-        ggml_build_forward_expand(gf, w);
-        if (!attend) {
-            return (ggml_tensor *) nullptr;
+        ggml_tensor * x = nullptr;
+        if (attend) {
+            // in the graph now: attached to the attention after it joined the graph, it would not be computed
+            x = ggml_concat(ctx, rows, ggml_cast(ctx, cur, GGML_TYPE_F16), 1);
+            ggml_build_forward_expand(gf, x);
         }
-        // in the graph now: attached to the attention after it joined the graph, it would not be computed
-        ggml_tensor * x = ggml_concat(ctx, w, ggml_cast(ctx, cur, GGML_TYPE_F16), 1);
-        ggml_build_forward_expand(gf, x);
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, rows, cur, inp.win_w));
         return x;
     };
     // the attention's inputs join the graph here too: it may already hold the attention when they are attached.
