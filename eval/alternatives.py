@@ -232,7 +232,8 @@ def _quality(data: dict, measure: str, what: str) -> str | None:
     parts, gaps, ok = [], [], True
     for model, configs in data.items():
         ov = _value(configs.get(OURS), measure, "kld_mean")
-        ob = bits(configs[OURS]) if OURS in configs else None
+        # ours as that run logged it: the default's per-layer types, hence its bits, change with the context
+        ob = _value(configs.get(OURS), measure, "bits_per_value") or (bits(configs[OURS]) if OURS in configs else None)
         if ov is None or ob is None:
             continue
         peers = [(label, v, bits(c)) for label, c in _peers(configs)

@@ -79,14 +79,24 @@ def versus_kld_bits(name: str, config: str = "ours:isoquant3_0") -> float:
     return versus_row(name, "kld", "kld_mean", config)["bits_per_value"]
 
 
+def _default_layers(rows: list[dict], where: str) -> str:
+    """The layers whose K the default put at 4 bits, as the rows' logs named them (one answer for all the rows)."""
+    found = {m.group(1) for r in rows for n in r.get("notes", []) if n.startswith("per-layer K/V types (default)")
+             for m in [re.search(r"layer\(s\) ([\d ]+) at 4 bits", n)] if m}
+    if len(found) != 1 or not rows or any(not r.get("notes") for r in rows):
+        raise KeyError(f"{where}: default per-layer types logged: {sorted(found)}")
+    return found.pop()
+
+
 def versus_kld_layers(name: str, config: str = "ours:isoquant3_0") -> str:
     """The layers whose K the default put at 4 bits in that configuration's KLD run, as its log named them."""
-    notes = [n for n in versus_row(name, "kld", "kld_mean", config).get("notes", [])
-             if n.startswith("per-layer K/V types (default)")]
-    m = re.search(r"layer\(s\) ([\d ]+) at 4 bits", notes[0]) if len(notes) == 1 else None
-    if not m:
-        raise KeyError(f"{name}.json: no default per-layer types logged for {config!r}")
-    return m.group(1)
+    return _default_layers([versus_row(name, "kld", "kld_mean", config)], f"{name}.json {config!r}")
+
+
+def versus_niah_layers(name: str, ctx: int, config: str = "ours:isoquant3_0") -> str:
+    """The same for a configuration's needle runs at one context."""
+    rows = [r for r in load(name)["niah"] if r["config"] == config and r["ctx"] == ctx]
+    return _default_layers(rows, f"{name}.json {config!r} at ctx {ctx}")
 
 
 def versus_needles(name: str, ctx: int, config: str = "ours:isoquant3_0") -> str:
@@ -332,12 +342,14 @@ def table() -> str:
         "Qwen2.5-1.5B (320) over an F16 start with 2 cores, then kept in llama.cpp's cache "
         "directory (`--k-stats`); rq-calibrate stores statistics in the model file instead. "
         f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
-        "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 2·16 rows per "
-        "sequence and layer, 0.6 MiB on Gemma3). The other IsoQuant-V rows were "
+        "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 16 rows per "
+        "sequence and layer and one, 0.3 MiB on Gemma3). The other IsoQuant-V rows were "
         "measured without the window (`--kv-window 0`), which is now on by default for them too. "
         f"⁵ bits/value as logged at 8K / 16K: {versus_bits('versus-niah-gemma3', 8192):.2f} / "
-        f"{versus_bits('versus-niah-gemma3', 16384):.2f} (Gemma3: its full layer 11's K at 4 bits, the middle "
-        "full-attention layer first; none at 2K, where the window alone takes it past 3.5); on a model with full "
+        f"{versus_bits('versus-niah-gemma3', 16384):.2f} (Gemma3: 4-bit K on full-attention layers, the middle one "
+        f"first, as many as fit 3.5 bits: {versus_niah_layers('versus-niah-gemma3', 8192)} at 8K, "
+        f"{versus_niah_layers('versus-niah-gemma3', 16384)} at 16K, {versus_kld_layers('versus-kld-gemma3')} at 2K); "
+        "on a model with full "
         "attention everywhere the layers its K statistics' copy task ranks first (Qwen at 2K: layers "
         f"{versus_kld_layers('versus-kld-qwen')} of 0-27, {versus_kld_bits('versus-kld-qwen'):.2f} bits); Qwen's needles at 8K with that ranking "
         f"({versus_bits('versus-niah-qwen', 8192):.2f} bits), at 16K from before it, 3-bit K everywhere "
