@@ -117,11 +117,11 @@ def test_the_check_sees_the_old_code():
 
 def test_planner_sees_the_default_per_layer_types(gemma3):
     """With the window the tools keep (+w16), the dry run takes libllama's default types as a real start does: on
-    Gemma3 at 16K, 4-bit K on full layer 11 only (the budget's one layer); named types ('@none') are taken as given."""
+    Gemma3 at 16K, 4-bit K on full layers 11 and 5 (the budget's two); named types ('@none') are taken as given."""
     from rotaryquant.bindings import row_size, type_from_name
 
     with accounting.NoAllocModel(gemma3) as m:
         dflt, plain = m.context("isoquant3_0+w16", 16384), m.context("isoquant3_0+w16@none", 16384)
-        one = m.context("isoquant3_0+w16@11=isoquant4_0/isoquant3_0", 16384)
+        two = m.context("isoquant3_0+w16@5=isoquant4_0/isoquant3_0;11=isoquant4_0/isoquant3_0", 16384)
     step = 16384 * (row_size(type_from_name("isoquant4_0"), 256) - row_size(type_from_name("isoquant3_0"), 256))
-    assert dflt.k - plain.k == step and (dflt.k, dflt.v) == (one.k, one.v)
+    assert dflt.k - plain.k == 2 * step and (dflt.k, dflt.v) == (two.k, two.v)
