@@ -39,7 +39,6 @@ void llama_kv_rq::state_write(llama_io_write_i & io, const llama_kv_cache::cell_
     if (!win_section()) {
         return;
     }
-    const auto & cells = kv.v_cells[cr.strm];
     std::vector<uint32_t> ords; // the rows' cells, as their index among the saved cells
     std::vector<int32_t>  rows;
     uint32_t ord = 0;
@@ -47,15 +46,7 @@ void llama_kv_rq::state_write(llama_io_write_i & io, const llama_kv_cache::cell_
         for (uint32_t i = i0; i < i1; ++i, ++ord) {
             const int64_t c = (int64_t) cr.strm*kv.get_size() + i;
             const int32_t r = win > 0 ? win_row_of_cell[c] : -1;
-            if (r < 0 || !cell_holds(c, win_pos_of_row[r])) {
-                continue;
-            }
-            bool used = false;
-            for (llama_seq_id s = 0; s < (llama_seq_id) kv.n_seq_max && !used; ++s) {
-                used = (seq_id == -1 || s == seq_id) && cells.seq_has(i, s) &&
-                       win_pos_of_row[r] + (llama_pos) win > cells.seq_pos_max(s) + 1;
-            }
-            if (used) {
+            if (r >= 0 && win_row_used(r, nullptr, seq_id)) {
                 ords.push_back(ord);
                 rows.push_back(r);
             }

@@ -111,28 +111,29 @@ void llama_kv_rq::win_release(uint32_t row) {
     win_free.push_back(row);
 }
 
-void llama_kv_rq::win_release_unused(const std::vector<llama_pos> & next) {
-    // a row stays while a query of one of its cell's sequences can still use it: its position is within win - 1 of the
-    // sequence's next query position (next[s]; none given: the position after the sequence's last cell)
-    const uint32_t kv_size = kv.get_size();
-    for (uint32_t r = 0; r < win_budget; ++r) {
-        const int64_t c = win_cell_of_row[r];
-        if (c < 0) {
-            continue;
-        }
-        const auto & cells = kv.v_cells[c/kv_size];
-        const uint32_t idx = c % kv_size;
-        bool keep = cell_holds(c, win_pos_of_row[r]);
-        if (keep) {
-            keep = false;
-            for (llama_seq_id s = 0; s < (llama_seq_id) kv.n_seq_max && !keep; ++s) {
-                if (cells.seq_has(idx, s)) {
-                    const llama_pos n = next[s] != std::numeric_limits<llama_pos>::max() ? next[s] : cells.seq_pos_max(s) + 1;
-                    keep = win_pos_of_row[r] + (llama_pos) win > n;
-                }
+bool llama_kv_rq::win_row_used(uint32_t r, const std::vector<llama_pos> * next, llama_seq_id only) const {
+    // a query of one of its cell's sequences can still use it: its position is within win - 1 of that sequence's next
+    // query position (next[s]; none given, or INT_MAX there: the position after the sequence's last cell)
+    const int64_t c = win_cell_of_row[r];
+    if (c < 0 || !cell_holds(c, win_pos_of_row[r])) {
+        return false;
+    }
+    const auto & cells = kv.v_cells[c/kv.get_size()];
+    const uint32_t idx = c % kv.get_size();
+    for (llama_seq_id s = 0; s < (llama_seq_id) kv.n_seq_max; ++s) {
+        if ((only == -1 || s == only) && cells.seq_has(idx, s)) {
+            const llama_pos n = next && (*next)[s] != std::numeric_limits<llama_pos>::max() ? (*next)[s] : cells.seq_pos_max(s) + 1;
+            if (win_pos_of_row[r] + (llama_pos) win > n) {
+                return true;
             }
         }
-        if (!keep) {
+    }
+    return false;
+}
+
+void llama_kv_rq::win_release_unused(const std::vector<llama_pos> & next) {
+    for (uint32_t r = 0; r < win_budget; ++r) {
+        if (win_cell_of_row[r] >= 0 && !win_row_used(r, &next)) {
             win_release(r);
         }
     }

@@ -240,7 +240,9 @@ private:
     // ... holds what was at pos before a pending shift (seq_add / seq_div) that the next K-shift applies
     bool cell_moved_from(int64_t c, llama_pos pos) const;
     void win_release(uint32_t row);
-    // release the rows no query at or after next[s] (INT_MAX: the sequence's next position) can use
+    // a query at or after next[s] (none, or INT_MAX there: the sequence's next position) of one of row r's sequences
+    // (only: that one) can still use it; release the rows none can
+    bool win_row_used(uint32_t r, const std::vector<llama_pos> * next, llama_seq_id only = -1) const;
     void win_release_unused(const std::vector<llama_pos> & next);
     bool win_section() const; // the cache writes a window section in state files
     std::pair<uint32_t, uint64_t> win_layout() const; // layers with a window, bytes of one row over them (K and V)
