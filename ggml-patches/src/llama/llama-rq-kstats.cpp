@@ -167,12 +167,13 @@ void llama_rq_load_k_center(llama_model_loader & ml, const llama_hparams & hpara
 // The tokens come from a fixed mt19937 stream (portable), so the statistics depend on the model only and saved states
 // stay valid. RQ_SELF_METHOD names this recipe in stats files (with the token count, checked too): change it with the
 // recipe, and older files are measured again instead of used. The token count is sized by compute: RQ_SELF_BUDGET
-// parameter-tokens, 320 tokens of Qwen2.5-1.5B (1.78e9 parameters: 4.3 s with 2 threads, 1024 took 13.9 s), within
-// [RQ_SELF_TOKENS_MIN, RQ_SELF_TOKENS_MAX]: a small model gets 1024 for a second or two, which its far positions need
-// (40 tokens per start position estimate mu there worse than 128: decode KLD after an 8K prompt, Gemma3-270M 0.0316
-// with 1024 tokens, 0.0405 with 320; docs/k-center.md), and a large one never pays more than 320 tokens' time.
-static constexpr double   RQ_SELF_BUDGET     = 5.7e11;
-static constexpr uint32_t RQ_SELF_TOKENS_MIN = 320;
+// parameter-tokens, 160 tokens of Qwen2.5-1.5B (1.78e9 parameters), within [RQ_SELF_TOKENS_MIN, RQ_SELF_TOKENS_MAX]:
+// a small model gets 1024 for a second or two, which its far positions need (40 tokens per start position estimate
+// mu there worse than 128: decode KLD after an 8K prompt, Gemma3-270M 0.0316 with 1024 tokens, 0.0405 with 320;
+// docs/k-center.md), and a large one never pays more than 160 tokens' time plus the copy task's 97 (a large model's K
+// mean is mostly its k_proj bias and massive activations, which few tokens find).
+static constexpr double   RQ_SELF_BUDGET     = 2.85e11;
+static constexpr uint32_t RQ_SELF_TOKENS_MIN = 160;
 static constexpr uint32_t RQ_SELF_TOKENS_MAX = 1024;
 static constexpr uint32_t RQ_SELF_SEQS   = 8;
 static constexpr uint32_t RQ_SELF_METHOD = 3; // 3: with the copy task's retrieval ranking
