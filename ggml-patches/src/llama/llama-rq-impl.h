@@ -73,8 +73,9 @@ struct llama_rq_copy_task {
     // under the pass's eval callback: the tensors it reads (attn_q_sm-N, attn_k_in-N), and keeping one it asked for
     static bool wants(const ggml_tensor * t);
     void take(const ggml_tensor * t, std::vector<uint8_t> & buf);
-    // per layer (n_layer): what 3-bit K loses, centred with d's mu/lam; -1 where not measured
-    std::vector<float> losses(const llama_hparams & hp, const llama_rq_k_center_data & d) const;
+    // per layer (n_layer): what 3-bit K loses, centred with d's mu/lam; -1 where not measured; layers split over
+    // n_threads
+    std::vector<float> losses(const llama_hparams & hp, const llama_rq_k_center_data & d, int32_t n_threads) const;
 
     std::vector<llama_token>        tokens;
     uint32_t                        off = 0; // the first copy's position (1 after BOS)

@@ -353,7 +353,8 @@ static bool rq_k_stats_measure(llama_model & model, int32_t n_threads, llama_rq_
         return false;
     }
     // the ranking is an extra: without it (-1 everywhere) the default types stay uniform and the statistics stand
-    out.retrieval = rc_copy == 0 && !copy.bad ? copy.losses(hp, d) : std::vector<float>(hp.n_layer_all, -1.0f);
+    out.retrieval = rc_copy == 0 && !copy.bad ? copy.losses(hp, d, cp.n_threads)
+                                              : std::vector<float>(hp.n_layer_all, -1.0f);
     out.n_tokens  = n_done;
     return true;
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 llama_rq_copy_task::llama_rq_copy_task(const std::vector<llama_token> & ordinary, std::mt19937 & rng, llama_token bos,
                                        uint32_t n_layer) : q(n_layer), k(n_layer) {
@@ -110,12 +111,26 @@ static float rq_copy_loss(const llama_rq_copy_task & task, const llama_hparams &
     return (float) (lost/(nq*(n - task.off - L)));
 }
 
-std::vector<float> llama_rq_copy_task::losses(const llama_hparams & hp, const llama_rq_k_center_data & d) const {
+std::vector<float> llama_rq_copy_task::losses(const llama_hparams & hp, const llama_rq_k_center_data & d,
+                                              int32_t n_threads) const {
+    // layers are independent: each thread takes every n-th, so the values do not depend on the thread count
     std::vector<float> out(q.size(), -1.0f);
-    for (uint32_t il = 0; il < q.size() && il < d.off.size(); ++il) {
-        if (d.off[il] >= 0) {
-            out[il] = rq_copy_loss(*this, hp, il, d.mu.data() + d.off[il], d.lam.data() + d.off[il]);
+    const uint32_t n_layer = (uint32_t) std::min(q.size(), d.off.size());
+    const uint32_t n = std::clamp<uint32_t>(n_threads > 0 ? (uint32_t) n_threads : 1, 1, std::max(n_layer, 1u));
+    auto work = [&](uint32_t i0) {
+        for (uint32_t il = i0; il < n_layer; il += n) {
+            if (d.off[il] >= 0) {
+                out[il] = rq_copy_loss(*this, hp, il, d.mu.data() + d.off[il], d.lam.data() + d.off[il]);
+            }
         }
+    };
+    std::vector<std::thread> pool;
+    for (uint32_t i = 1; i < n; ++i) {
+        pool.emplace_back(work, i);
+    }
+    work(0);
+    for (auto & t : pool) {
+        t.join();
     }
     return out;
 }
