@@ -170,6 +170,9 @@ def _builds(ns: argparse.Namespace) -> dict[str, builds_mod.Build]:
 
 
 def cmd_versus(ns: argparse.Namespace) -> None:
+    if "niah" in _names(ns.measure) and not 1 <= ns.needles <= len(niah.KEYS):
+        raise RQError(f"--needles {ns.needles}: a haystack holds 1 to {len(niah.KEYS)}",
+                      fix="ask for more needles with more --depths (one haystack each)")
     model = _model(ns, assets.ISO_MODEL).resolve()  # the programs run in a scratch folder
     blds = _builds(ns)
     configs = [versus.parse_config(c, list(blds)) for c in ns.config]
@@ -204,7 +207,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
         else:
             res["niah"] = versus.niah(blds, configs, model, text, ctxs=_ints(ns.niah_ctx, "--niah-ctx"),
                                       depths=_floats(ns.depths, "--depths"), seeds=_ints(ns.seeds, "--seeds"),
-                                      threads=ns.threads)
+                                      n_needles=ns.needles, threads=ns.threads)
         save()
     print(versus.to_markdown(versus.merge(old, res)))
 
@@ -444,6 +447,8 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
     vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
     vs.add_argument("--seeds", default="42", help="niah: seeds")
+    vs.add_argument("--needles", type=int, default=niah.N_NEEDLES,
+                    help=f"niah: needles per haystack (1-{len(niah.KEYS)}), all at the haystack's depth")
     vs.add_argument("--merge", action="store_true",
                     help="keep the existing output's rows of the configurations this run does not measure (same model)")
     vs.add_argument("--timeout", type=float, default=versus.TIMEOUT,
