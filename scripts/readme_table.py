@@ -336,10 +336,10 @@ def table() -> str:
     foot = [
         "",
         f"¹ without K centring; with it decode changes by {calib_cost()} (kv-bench-kc). "
-        "² another run (kv-bench-deferred). ³ one forward pass over 320–1024 pseudo-random tokens (sized by the model's "
+        "² another run (kv-bench-deferred). ³ one forward pass over 160–1024 pseudo-random tokens (sized by the model's "
         "parameters) and a 97-token copy task at the first start (docs/k-center.md): "
         f"+{versus_ttft('versus-8k-gemma3'):.1f} s on Gemma3 (1024), +{versus_ttft('versus-8k-qwen'):.1f} s on "
-        "Qwen2.5-1.5B (320) over an F16 start with 2 cores, then kept in llama.cpp's cache "
+        "Qwen2.5-1.5B (160) over an F16 start with 2 cores, then kept in llama.cpp's cache "
         "directory (`--k-stats`); rq-calibrate stores statistics in the model file instead. "
         f"⁴ decode at {DEPTH // 1024}K {win_tg} isoquant3_0, both with `--kv-deferred` (kv-bench-window; not beside f16); "
         "bits at context 2048 (the 16 F16 positions add 16·16/T bits at context T; the pool holds 16 rows per "
@@ -351,9 +351,10 @@ def table() -> str:
         f"{versus_niah_layers('versus-niah-gemma3', 16384)} at 16K, {versus_kld_layers('versus-kld-gemma3')} at 2K); "
         "on a model with full "
         "attention everywhere the layers its K statistics' copy task ranks first (Qwen at 2K: layers "
-        f"{versus_kld_layers('versus-kld-qwen')} of 0-27, {versus_kld_bits('versus-kld-qwen'):.2f} bits); Qwen's needles at 8K with that ranking "
-        f"({versus_bits('versus-niah-qwen', 8192):.2f} bits), at 16K from before it, 3-bit K everywhere "
-        f"({versus_bits('versus-niah-qwen', 16384):.2f} bits); which layers: docs/usage.md. "
+        f"{versus_kld_layers('versus-kld-qwen')} of 0-27, {versus_kld_bits('versus-kld-qwen'):.2f} bits); Qwen's needles with that ranking "
+        f"at {versus_bits('versus-niah-qwen', 8192):.2f} / {versus_bits('versus-niah-qwen', 16384):.2f} bits "
+        f"({len(versus_niah_layers('versus-niah-qwen', 8192).split())} / "
+        f"{len(versus_niah_layers('versus-niah-qwen', 16384).split())} layers at 4-bit K); which layers: docs/usage.md. "
         "–: not measured beside f16.",
     ]
     return "\n".join([BEGIN, *head, *body, *foot, END])
