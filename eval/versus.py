@@ -459,14 +459,15 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
 
 
 def merge(old: dict, new: dict) -> dict:
-    """new, plus old's rows (per measurement) of the configurations new did not measure there, at a context it did
-    not measure them at (needles at 8K keep the same configuration's 16K rows): runs share one file, each row still
-    scored against the F16 of its own run (its ratios are stored with it)."""
+    """new, plus old's rows (per measurement) of the configurations new did not measure there, at a context (and for
+    needles a seed and depth) it did not measure them at (needles at 8K keep the same configuration's 16K rows, a
+    haystack at depth 90% the one at 10%): runs share one file, each row still scored against the F16 of its own run
+    (its ratios are stored with it)."""
     if not old:
         return new
 
     def key(r: dict) -> tuple:
-        return r["config"], r.get("ctx")
+        return r["config"], r.get("ctx"), r.get("seed"), r.get("depth")
 
     out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
     for m in MEASURES:

@@ -187,6 +187,12 @@ def test_merge_keeps_the_rows_a_run_did_not_redo():
     new = {"niah": [{"config": "a:x", "ctx": 8192, "found": 3}]}
     assert versus.merge(old, new)["niah"] == [{"config": "a:x", "ctx": 16384, "found": 2},
                                               {"config": "a:x", "ctx": 8192, "found": 3}]
+    # and a haystack at another depth or seed keeps the ones before it; the same haystack is replaced
+    old = {"niah": [{"config": "a:x", "ctx": 32768, "seed": 42, "depth": 0.1, "found": 8},
+                    {"config": "a:x", "ctx": 32768, "seed": 42, "depth": 0.9, "found": 1}]}
+    new = {"niah": [{"config": "a:x", "ctx": 32768, "seed": 42, "depth": 0.9, "found": 4},
+                    {"config": "a:x", "ctx": 32768, "seed": 7, "depth": 0.1, "found": 5}]}
+    assert [r["found"] for r in versus.merge(old, new)["niah"]] == [8, 4, 5]
 
 
 def test_environment_words_are_the_runs_environment_not_flags():
