@@ -571,8 +571,9 @@ def _rows_ttft(rows: list[dict]) -> list[str]:
 
 
 def _title_niah(res: dict) -> str:
-    n = res["niah"][0]["asked"]
-    return f"### Needles: {n} keys per haystack, greedy answers; found / asked over depths and seeds"
+    n = sorted({r["asked"] for r in res["niah"]})
+    keys = str(n[0]) if len(n) == 1 else f"{n[0]}-{n[-1]}"
+    return f"### Needles: {keys} keys per haystack, greedy answers; found / asked over depths and seeds"
 
 
 def _rows_niah(rows: list[dict]) -> list[str]:
