@@ -2,15 +2,14 @@
 # The first start's cost against what every start paid before K statistics were kept: per round, interleaved, an
 # F16-cache start, a first start (empty statistics folder), the next start (the same folder), and one pass of 1024
 # tokens with all logits (llama-perplexity -c 1024 --chunks 1, the old per-start recipe's size). rq-probe's JSON line
-# per start; 2 threads.   usage: scripts/startup_vs_old_pass.sh MODEL [ROUNDS]   (after `make setup` and one
-# `rq-eval versus`, which compiles rq-probe)
+# per start; 2 threads.   usage: scripts/startup_vs_old_pass.sh MODEL [ROUNDS]   (after `make setup`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 M=${1:?usage: $0 MODEL [ROUNDS]}
 R=${2:-5}
 T=${RQ_TEXT:-$HOME/.cache/rotaryquant/text/shakespeare.txt}
-P=$(ls -t build/probe/ours/*/rq-probe 2>/dev/null | head -1)
-[ -x "$P" ] || { echo "no rq-probe under build/probe/ours: run rq-eval versus once (it compiles it)" >&2; exit 1; }
+# rq-probe as rq-eval versus builds it for our library (compiled once per library content)
+P=$(.venv/bin/python -c 'from rotaryquant.eval import builds; print(builds.probe(builds.ours()))')
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 seq 1000 1015 | tr '\n' ' ' > "$tmp/tok16.txt"
 start() { "$P" decode -m "$M" -c 4096 -t 2 -fa on -ctk "$1" -ctv "$1" --tokens "$tmp/tok16.txt" --prefill 16 --steps 0 \
