@@ -66,7 +66,7 @@ def load(results: Path) -> dict[str, dict[str, dict]]:
                                                    "decode": {}, "niah": {}, "files": set()})
                 c["files"].add(f.name)
                 if m == "decode":  # a prefill just under DEPTH (a model's 8K context less the decode steps) is its 8K row
-                    c["decode"][DEPTH if 0.95 * DEPTH <= r["prefill"] <= DEPTH else r["prefill"]] = r
+                    c["decode"][DEPTH if 0.95 * DEPTH <= r["prefill"] <= DEPTH else r["prefill"]] = {**r, "source": f.name}
                 elif m == "niah":
                     c["niah"].setdefault(r["ctx"], []).append(r)
                 else:
@@ -120,7 +120,7 @@ def model_table(model: str, configs: dict[str, dict]) -> list[str]:
     depths = sorted({n for c in configs.values() for n in c["decode"] if n > DEPTH})
     head = ("| configuration | bits/value | 2K KLD | p99 | same top-1 % | decode KLD after 8K | p99 | prefill 8K × f16 "
             "| decode 8K × f16 | decode 8K t/s | first token s (added) | needles 8K | needles 16K |"
-            + "".join(f" decode KLD after {n // 1024}K | decode {n // 1024}K t/s | ms per token per 1K keys |"
+            + "".join(f" decode KLD after {round(n / 1024)}K | decode {round(n / 1024)}K t/s | ms per token per 1K keys |"
                       for n in depths))
     lines = [f"### {MODELS.get(model, model)}", "", head, "|---|" + "---:|" * (head.count("|") - 2)]
     for label, c in configs.items():
@@ -320,6 +320,35 @@ def _speed(data: dict) -> str | None:
             + "; ".join(parts)) if parts else None
 
 
+def _deep_speed(data: dict) -> str | None:
+    """Decode after the deepest prompts (past DEPTH): ours (defaults) at least as many t/s as every peer cache at
+    <= BUDGET bits. Absolute t/s, not ratios, so only rows from one file (one run, one machine state) are set side
+    by side; each build's f16 ratio is printed beside it."""
+    parts, ok = [], True
+    for model, configs in data.items():
+        mine = configs.get(OURS) or {"decode": {}, "files": set()}
+        for n, r in sorted(mine["decode"].items()):
+            if n <= DEPTH or "error" in r or not r.get("decode_tps") or not r.get("source"):
+                continue
+            peers = [(label, c["decode"][n]) for label, c in _peers(configs) if within(bits(c)) and n in c["decode"]
+                     and c["decode"][n].get("source") == r["source"]]
+            if not peers:
+                continue
+            ran = [(label, p) for label, p in peers if "error" not in p and p.get("decode_tps")]
+            ok &= all(r["decode_tps"] >= p["decode_tps"] for _, p in ran)
+
+            def cell(label: str, p: dict) -> str:
+                if "error" in p or not p.get("decode_tps"):
+                    return f"{label} did not run ({p.get('error', '?')})"
+                return f"{label} {p['decode_tps']:.1f} t/s ({p.get('decode_tps_vs_f16', 0):.2f}×)"
+            parts.append(f"{_short(model)} after {round(n / 1024)}K: ours {r['decode_tps']:.1f} t/s "
+                         f"({r.get('decode_tps_vs_f16', 0):.2f}× its f16); " + ", ".join(cell(*p) for p in peers))
+    if not parts:
+        return None
+    return holds(ok, f"decode after a long prompt (t/s in one run; × each build's own f16): ours at least as fast as "
+                     f"every peer cache at ≤ {BUDGET} bits/value: " + "; ".join(parts))
+
+
 # weight types of a peer that beat ours (rq-convert recipes) at no more bits: the measured cause, named in the line
 KNOWN_WEIGHT_GAPS: dict[str, str] = {
     "ik:IQ3_K+imat": "its non-linear grid with a scale per 16 weights, against ITQ3_S's one scale and offset per 256 "
@@ -356,7 +385,7 @@ def weight_verdict(results: Path) -> str | None:
 def verdicts(data: dict[str, dict[str, dict]]) -> list[str]:
     """What the tables say, each line checked where it claims an order (holds raises when it stops holding)."""
     lines = [_quality(data, "kld", _what("kld")), _quality(data, "decode", _what("decode")), _needles(data),
-             _speed(data), _start_up(data)]
+             _speed(data), _deep_speed(data), _start_up(data)]
     return [x for x in lines if x]
 
 

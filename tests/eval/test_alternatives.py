@@ -155,3 +155,25 @@ def test_weight_verdict_names_each_peer_type_and_refuses_an_unexplained_loss(tmp
     write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ2_KT+imat", 2.6, 0.5)])  # nothing of ours at so few bits
     with pytest.raises(alt.VerdictError):
         alt.weight_verdict(tmp_path)
+
+
+def test_deep_decode_speed_compares_rows_of_one_run_only(results):
+    data = alt.load(results)
+
+    def row(label: str, tps: float | None, source: str = "versus-32k-gemma3.json") -> dict:
+        r = {"config": label, "prefill": 32704, "source": source}
+        return {**r, "error": "killed by signal 9"} if tps is None else {**r, "decode_tps": tps,
+                                                                           "decode_tps_vs_f16": tps / 20}
+    data[GEMMA]["ours:isoquant3_0"]["decode"][32704] = row("ours:isoquant3_0", 40.0)
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704] = row("ik:iq4_nl -khad -vhad", 30.0)
+    data[GEMMA]["stock:q4_0"]["decode"][32704] = row("stock:q4_0", None)
+    data[GEMMA]["stock:q8_0"]["decode"][32704] = row("stock:q8_0", 90.0)  # past the budget: not a rival
+    v = next(x for x in alt.verdicts(data) if x.startswith("decode after a long prompt"))
+    assert "Gemma3 after 32K: ours 40.0 t/s (2.00× its f16); " in v and "ik:iq4_nl -khad -vhad 30.0 t/s (1.50×)" in v
+    assert "stock:q4_0 did not run (killed by signal 9)" in v and "q8_0" not in v
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["source"] = "another-run.json"  # another day: not compared
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps"] = 50.0
+    assert "iq4_nl" not in next(x for x in alt.verdicts(data) if x.startswith("decode after a long prompt"))
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["source"] = "versus-32k-gemma3.json"  # same run, faster
+    with pytest.raises(alt.VerdictError, match="no longer holds"):
+        alt.verdicts(data)
