@@ -97,6 +97,8 @@ def cmd_decode(ns: argparse.Namespace) -> None:
     res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=_ints(ns.prefill, "--prefill"),
                      tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads,
                      roofline=ns.roofline, rounds=ns.rounds)
+    if ns.note:
+        res["note"] = ns.note
     _write(ns.out, res, decode.to_markdown(res))
 
 
@@ -398,6 +400,8 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
                    help="also measure bandwidth and F32 rate (before and after) and give each row rq-eval "
                         "roofline's limit, f16's decode after a short prefill as the depth-0 step (a "
                         f"{decode.ROOFLINE_STEP0}-token prefill is added when none is that short)")
+    d.add_argument("--note", help="a sentence kept in the result and printed above its table: what else the "
+                                  "machine ran, why a column is not a measurement")
 
     mm = add("memory", "deferred prefill: resident memory of the F16 transient vs eq. 12", cmd_memory,
              out="kv-memory")

@@ -308,6 +308,8 @@ def to_markdown(res: dict, title: str = "Decode-time KV quality") -> str:
              "prompt attends an exact F16 copy of its K/V until the first decode step. Speeds: wall clock of "
              f"the prefill's llama_decode calls ({res.get('n_batch', N_BATCH)} tokens each) and of the decode "
              f"steps, {res.get('threads', '?')} threads; vs f16: over the f16 run of the same prefill.", ""]
+    if res.get("note"):
+        lines += [f"Note: {res['note']}", ""]
     rounds = res.get("rounds", 1)
     if rounds > 1:
         lines += [f"Speeds: medians of {rounds} interleaved rounds, every other one in reverse order (f16, A, B, then "

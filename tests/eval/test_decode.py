@@ -118,7 +118,8 @@ def test_markdown_shows_roofline_columns_only_when_measured():
     decode.compare(rows)
     res = {"model": "m.gguf", "text": "t.txt", "tokens": 8, "threads": 2, "n_batch": 512, "rows": rows}
     md = decode.to_markdown(res)
-    assert "| decode vs f16 |" in md and "roofline" not in md
+    assert "| decode vs f16 |" in md and "roofline" not in md and "Note:" not in md
+    assert "Note: a build ran beside it\n" in decode.to_markdown({**res, "note": "a build ran beside it"})
     assert "| 4096 | isoquant3_0 | – | on (no effect¹) |" in md and "| 38.0 | 8.0 | 0.95 | 1.60 |" in md
     decode.with_roofline(rows, {(c, n): (1e8, 1e9) for c in ("f16", "isoquant3_0") for n in (64, 4096)}, 1e10, 1e11)
     res["roofline"] = {"bandwidth": [1e10, 1.2e10], "f32_rate": [1e11, 1.1e11], "step0_prefill": 64}
