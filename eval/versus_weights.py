@@ -164,6 +164,9 @@ def to_markdown(res: dict) -> str:
     def f(x: float | None, nd: int = 4) -> str:
         return "–" if x is None else f"{x:.{nd}f}"
 
+    def cell(label: str) -> str:  # a --custom-q regex may hold "|": escaped, or it splits the table's row
+        return label.replace("|", "\\|")
+
     lines = [f"## Weight types beside the alternatives: {res['model']}", "",
              f"Each build quantises the same F16 requantisation with its own llama-quantize (+imat: its own llama-imatrix "
              f"over the first {res['calib_tokens']} tokens of the calibration slice) and scores it with its own "
@@ -172,10 +175,10 @@ def to_markdown(res: dict) -> str:
              "| variant | bpw | PPL | ΔPPL | mean KLD | KLD p99 | same top-1 % |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in res.get("quality", []):
         if "error" in r:
-            lines.append(f"| {r['label']} | – | did not run ({r['error']}: {' / '.join(r['log_tail'][-1:])}) | | | | |")
+            lines.append(f"| {cell(r['label'])} | – | did not run ({r['error']}: {' / '.join(r['log_tail'][-1:])}) | | | | |")
             continue
         d = r["ppl"] - r["ppl_base"] if r.get("ppl_base") is not None else None
-        lines.append(f"| {r['label']} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
+        lines.append(f"| {cell(r['label'])} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
                      f"| {f(r['kld_mean'])} | {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} |")
     sp = res.get("speed") or []
     if sp:
@@ -184,7 +187,7 @@ def to_markdown(res: dict) -> str:
                   "| variant | threads | pp t/s | pp × Q4_K_M | tg t/s | tg × Q4_K_M |", "|---|---:|---:|---:|---:|---:|"]
         for r in sp:
             pp, tg = r.get("pp") or {}, r.get("tg") or {}
-            lines.append(f"| {r['label']} | {r['threads']} | {f(pp.get('median'), 2)} "
+            lines.append(f"| {cell(r['label'])} | {r['threads']} | {f(pp.get('median'), 2)} "
                          f"| {f((pp.get('ratio') or {}).get('median'), 3)} | {f(tg.get('median'), 2)} "
                          f"| {f((tg.get('ratio') or {}).get('median'), 3)} |")
     return "\n".join(lines) + "\n"

@@ -175,6 +175,16 @@ def test_weight_variants_parse_type_imatrix_and_quantize_args():
         vw.parse_variant("x:IQ3_K", ["ik"])
 
 
+def test_a_mixtures_regex_does_not_split_the_weights_table():
+    from rotaryquant.eval import versus_weights as vw
+
+    label = vw.parse_variant(r"ik:IQ3_K --custom-q 'blk\.(1|2)\.ffn_down=q4_K'", ["ik"]).label
+    row = {"label": label, "bpw": 3.9, "ppl": 10.0, "ppl_base": 9.0, "kld_mean": 0.1, "kld_p99": 0.5, "same_top_p": 80.0}
+    md = vw.to_markdown({"model": "m", "calib_tokens": 4096, "ctx": 512, "chunks": 10, "quality": [row]})
+    line = next(ln for ln in md.splitlines() if ln.startswith("| ik:"))
+    assert r"(1\|2)" in line and line.replace(r"\|", "").count("|") == 8
+
+
 def test_merge_keeps_the_rows_a_run_did_not_redo():
     old = {"builds": {"a": {}, "b": {}}, "kld": [{"config": "a:q8_0", "x": 1}, {"config": "b:q8_0", "x": 2}],
            "runs": [["r1"]]}
