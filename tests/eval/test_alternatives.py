@@ -151,7 +151,16 @@ def test_weight_verdict_names_each_peer_type_and_refuses_an_unexplained_loss(tmp
     with pytest.raises(alt.VerdictError):
         alt.weight_verdict(tmp_path)
     write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ3_K+imat", 3.74, 0.11)])  # the known one is named, not refused
-    assert "(behind: its non-linear grid" in alt.weight_verdict(tmp_path)
+    v = alt.weight_verdict(tmp_path)
+    assert "ik:IQ3_K+imat 0.1100 at 3.740 vs itq3-s 0.1300 at 3.510 (behind)" in v and v.endswith(
+        ". Behind: " + alt.KNOWN_WEIGHT_GAPS["ik:IQ3_K+imat"])
+    # a mixture of the known type (its llama-quantize overrides) has the same cause; another type does not
+    write([row("ours:itq3-s --tensor-type ffn_down=q4_K", 3.81, 0.10), row("ik:IQ3_K+imat --attn-k-type q6_K", 3.87,
+                                                                           0.09)])
+    assert "vs itq3-s --tensor-type ffn_down=q4_K 0.1000 at 3.810 (behind)" in alt.weight_verdict(tmp_path)
+    write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ3_KS+imat --attn-k-type q6_K", 3.6, 0.12)])
+    with pytest.raises(alt.VerdictError):
+        alt.weight_verdict(tmp_path)
     write([row("ours:itq3-s", 3.51, 0.13), row("ik:IQ2_KT+imat", 2.6, 0.5)])  # nothing of ours at so few bits
     with pytest.raises(alt.VerdictError):
         alt.weight_verdict(tmp_path)
