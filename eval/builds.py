@@ -67,6 +67,19 @@ class Build:
                 "features": sorted(self.features), "cmake": cmake_flags(self.bin_dir.parent)}
 
 
+def cpu(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The machine a result was measured on: its CPU's name, and whether our IsoQuant attention kernels can take
+    their AVX-512 path there (VNNI and BF16 both; otherwise the float AVX2 kernels run)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {}
+    name = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.+)$", text, re.M)
+    return {"model": name.group(1).strip() if name else None,
+            "avx512_vnni_bf16": {"avx512_vnni", "avx512_bf16"} <= set(flags.group(1).split() if flags else ())}
+
+
 def parse(spec: str) -> Build:
     """'NAME=BIN_DIR' -> Build; BuildError naming what is missing."""
     name, eq, where = spec.partition("=")

@@ -187,7 +187,8 @@ def cmd_versus(ns: argparse.Namespace) -> None:
     used = {c.build for c in configs}
     versus.TIMEOUT = ns.timeout
     res: dict = {"model": model.name, "text": data.evaluation_text().name, "threads": ns.threads,
-                 "runs": [["rq-eval", *ns.argv]], "builds": {n: b.describe() for n, b in blds.items() if n in used}}
+                 "runs": [["rq-eval", *ns.argv]], "builds": {n: b.describe() for n, b in blds.items() if n in used},
+                 "cpu": builds_mod.cpu()}
     text = data.evaluation_text()
 
     old = json.loads(ns.out.with_suffix(".json").read_text()) if ns.merge and ns.out.with_suffix(".json").exists() \

@@ -469,13 +469,16 @@ def merge(old: dict, new: dict) -> dict:
     def key(r: dict) -> tuple:
         return r["config"], r.get("ctx"), r.get("seed"), r.get("depth")
 
-    out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
+    out, any_kept = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}, False
     for m in MEASURES:
         ran = {key(r) for r in new.get(m) or []}
         kept = [r for r in old.get(m) or [] if key(r) not in ran]
+        any_kept |= bool(kept)
         if kept or new.get(m):
             out[m] = kept + list(new.get(m) or [])
     out["runs"] = [*old.get("runs", []), *new.get("runs", [])]
+    if any_kept and (old.get("cpu") != new.get("cpu") or old.get("cpu_mixed")):  # kept rows ran on another CPU
+        out["cpu_mixed"] = True
     return out
 
 

@@ -259,3 +259,15 @@ def test_reuse_scores_an_existing_file_and_otherwise_quantises(tmp_path, monkeyp
     ran.clear()
     row, = vw.quality(*args, reuse=True, progress=lambda s: None)
     assert ran == ["llama-perplexity"] and row["reused_file"] and "quantize_s" not in row and row["kld_mean"] == 0.1
+
+
+def test_a_run_records_its_cpu_and_a_merge_across_cpus_says_so(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 9R14\nflags\t\t: fpu avx2 avx512f avx512_vnni avx512_bf16\n")
+    assert builds.cpu(info) == {"model": "AMD EPYC 9R14", "avx512_vnni_bf16": True}
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2 fma\n")
+    zen2 = builds.cpu(info)
+    assert zen2 == {"model": "AMD EPYC", "avx512_vnni_bf16": False} and builds.cpu(tmp_path / "none") == {}
+    old = {"cpu": {"model": "x", "avx512_vnni_bf16": True}, "kld": [{"config": "a:q8_0"}]}
+    assert versus.merge(old, {"cpu": zen2, "kld": [{"config": "b:q8_0"}]})["cpu_mixed"]
+    assert "cpu_mixed" not in versus.merge(old, {"cpu": zen2, "kld": [{"config": "a:q8_0"}]})  # nothing kept
