@@ -184,5 +184,25 @@ def test_deep_decode_speed_compares_rows_of_one_run_only(results):
     data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps"] = 50.0
     assert "iq4_nl" not in next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
     data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["source"] = "versus-32k-gemma3.json"  # same run, faster
-    with pytest.raises(alt.VerdictError, match="no longer holds"):
+    with pytest.raises(alt.VerdictError, match="no longer holds"):  # and no f16 rows to say why
         alt.verdicts(data)
+    # a known gap holds where the peer's own f16 is the faster one and ours gains more over its f16 (2.0x vs 1.5x)
+    for b, tps in (("ours", 20.0), ("ik", 33.0)):
+        data[GEMMA].setdefault(f"{b}:f16", {"build": {"name": b}, "decode": {}, "niah": {}, "files": set()})
+        data[GEMMA][f"{b}:f16"]["decode"][32704] = {**row(f"{b}:f16", tps), "decode_tps_vs_f16": 1.0}
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps_vs_f16"] = 1.5
+    v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
+    assert "ik:iq4_nl -khad -vhad 50.0 t/s (1.50×), behind: its f16 33.0 t/s against ours 20.0" in v
+    assert v.endswith(". Behind: " + alt.F16_PATH)
+    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps_vs_f16"] = 2.5  # its cache gains more: refused
+    with pytest.raises(alt.VerdictError):
+        alt.verdicts(data)
+
+
+def test_the_kernels_note_names_each_files_cpu(results):
+    note = alt.kernels_note(results)
+    assert "CPU not recorded (runs before it was: the machine varied by day, with and without AVX-512): " \
+           "versus-8k-gemma3.json, versus-kld-gemma3.json" in note
+    f = results / "versus-32k-gemma3.json"
+    f.write_text(json.dumps({"model": GEMMA, "builds": {}, "cpu": {"model": "AMD EPYC", "avx512_vnni_bf16": False}}))
+    assert "AMD EPYC without AVX-512 VNNI/BF16: float AVX2 kernels: versus-32k-gemma3.json" in alt.kernels_note(results)
