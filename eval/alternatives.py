@@ -420,7 +420,9 @@ def weight_verdict(results: Path) -> str | None:
             mine = [r for r in ours if r["bpw"] <= p["bpw"]]
             best = min(mine, key=lambda r: r["kld_mean"]) if mine else None
             win = best is not None and best["kld_mean"] < p["kld_mean"]
-            name = p["label"].replace("ours:", "stock:")
+            # a mixture (the type plus llama-quantize overrides) by its type: the weights table has the whole label
+            name = p["label"].replace("ours:", "stock:").split(" ", 1)[0] + (" with overrides" if " " in p["label"]
+                                                                               else "")
             known = _weight_gap(p["label"])
             ok &= win or known is not None
             vs = (f"{best['label'].split(':', 1)[1]} {best['kld_mean']:.4f} at {best['bpw']:.3f}" if best
