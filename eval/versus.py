@@ -469,16 +469,15 @@ def merge(old: dict, new: dict) -> dict:
     def key(r: dict) -> tuple:
         return r["config"], r.get("ctx"), r.get("seed"), r.get("depth")
 
-    out, any_kept = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}, False
+    out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
     for m in MEASURES:
         ran = {key(r) for r in new.get(m) or []}
         kept = [r for r in old.get(m) or [] if key(r) not in ran]
-        any_kept |= bool(kept)
         if kept or new.get(m):
             out[m] = kept + list(new.get(m) or [])
     out["runs"] = [*old.get("runs", []), *new.get("runs", [])]
-    if any_kept and (old.get("cpu") != new.get("cpu") or old.get("cpu_mixed")):  # kept rows ran on another CPU
-        out["cpu_mixed"] = True
+    if any(len(out.get(m) or []) > len(new.get(m) or []) for m in MEASURES):  # rows of an earlier run kept
+        out["cpu_mixed"] = old.get("cpu") != new.get("cpu") or bool(old.get("cpu_mixed"))  # from another CPU
     return out
 
 
