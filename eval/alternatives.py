@@ -159,6 +159,16 @@ def _gap_answer(configs: dict[str, dict], model: str, labels: list[str], measure
     return "; ".join(parts)
 
 
+def _cpu_kind(cpu: dict | None, mixed: bool) -> str:
+    if not cpu:
+        return "CPU not recorded (runs before it was: the machine varied by day, with and without AVX-512)"
+    if mixed:
+        return "rows from more than one CPU"
+    if cpu.get("avx512_vnni_bf16"):
+        return f"{cpu.get('model') or 'a CPU'} with AVX-512 VNNI/BF16: AVX-512 kernels"
+    return f"{cpu.get('model') or 'a CPU'} without AVX-512 VNNI/BF16: float AVX2 kernels"
+
+
 def kernels_note(results: Path) -> str:
     """Which of our IsoQuant attention kernels each file's rows ran, from the CPU its run recorded: AVX-512 (VNNI, BF16)
     where the CPU has them, the float AVX2 ones otherwise. Files from before runs recorded the CPU say so: the
@@ -168,13 +178,7 @@ def kernels_note(results: Path) -> str:
         if f.name.startswith("versus-weights"):
             continue
         res = json.loads(f.read_text())
-        cpu = res.get("cpu")
-        kind = ("CPU not recorded (runs before it was: the machine varied by day, with and without AVX-512)" if not cpu
-                else "rows from more than one CPU"
-                if res.get("cpu_mixed") else f"{cpu.get('model') or 'a CPU'} "
-                + ("with AVX-512 VNNI/BF16: AVX-512 kernels" if cpu.get("avx512_vnni_bf16") else
-                   "without AVX-512 VNNI/BF16: float AVX2 kernels"))
-        kinds.setdefault(kind, []).append(f.name)
+        kinds.setdefault(_cpu_kind(res.get("cpu"), bool(res.get("cpu_mixed"))), []).append(f.name)
     return ("Our IsoQuant attention kernels take AVX-512 at run time where the CPU has VNNI and BF16, float AVX2 "
             "kernels elsewhere; everything else in every build is AVX2 code. The CPU of each run: "
             + "; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items()) + ".")
