@@ -241,8 +241,7 @@ def cmd_versus_weights(ns: argparse.Namespace) -> None:
     if "speed" in measures:
         rows = vw.speed(blds, variants, model, work, threads=_ints(ns.speed_threads, "--speed-threads"),
                         rounds=ns.rounds)
-        done = {(r["build"], r["threads"]) for r in rows}
-        res["speed"] = [r for r in res.get("speed", []) if (r["build"], r["threads"]) not in done] + rows
+        res["speed"] = vw.merge_speed(res.get("speed", []), rows, len(res["runs"]) - 1, res["runs"])
     _write(ns.out, res, vw.to_markdown(res))
 
 

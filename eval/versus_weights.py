@@ -160,6 +160,22 @@ def speed(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, w
     return out
 
 
+def merge_speed(old: list[dict], rows: list[dict], run: int, runs: Sequence[Sequence[str]] = ()) -> list[dict]:
+    """``rows`` (measured by ``runs[run]``) plus the rows of ``old`` this run did not measure again (same build,
+    threads and variant): each row keeps its ratios to the baseline of its own run, and says which run that was (an
+    older row without one was measured by the last earlier run that measured speed)."""
+    def measured_speed(argv: Sequence[str]) -> bool:
+        m = "quality,speed"  # the default
+        for a, b in zip(argv, [*argv[1:], ""]):
+            m = b if a == "--measure" else a.split("=", 1)[1] if a.startswith("--measure=") else m
+        return "speed" in m.split(",")
+
+    before = next((i for i in range(run - 1, -1, -1) if i < len(runs) and measured_speed(runs[i])), None)
+    new = {(r["build"], r["threads"], r["label"]) for r in rows}
+    kept = [{**r, "run": r.get("run", before)} for r in old if (r["build"], r["threads"], r["label"]) not in new]
+    return kept + [{**r, "run": run} for r in rows]
+
+
 def to_markdown(res: dict) -> str:
     def f(x: float | None, nd: int = 4) -> str:
         return "–" if x is None else f"{x:.{nd}f}"
@@ -181,13 +197,18 @@ def to_markdown(res: dict) -> str:
         lines.append(f"| {cell(r['label'])} | {r['bpw']:.3f} | {r['ppl']:.3f} | {'–' if d is None else f'{d:+.3f}'} "
                      f"| {f(r['kld_mean'])} | {f(r['kld_p99'])} | {f(r['same_top_p'], 2)} |")
     sp = res.get("speed") or []
+    runs = len({r.get("run") for r in sp}) > 1  # rows of several runs: t/s move between runs, ratios do not
     if sp:
         lines += ["", "Speed: llama-bench of the same build, interleaved rounds; ratio = median of the per-round ratios "
-                  "to that build's Q4_K_M (made by its own llama-quantize from the same F16).", "",
-                  "| variant | threads | pp t/s | pp × Q4_K_M | tg t/s | tg × Q4_K_M |", "|---|---:|---:|---:|---:|---:|"]
-        for r in sp:
+                  "to that build's Q4_K_M (made by its own llama-quantize from the same F16)"
+                  + (" in the same run (`run`: its index in the JSON's `runs`; compare t/s within one run only)."
+                     if runs else "."), "",
+                  "| variant | threads | pp t/s | pp × Q4_K_M | tg t/s | tg × Q4_K_M |" + (" run |" if runs else ""),
+                  "|---|---:|---:|---:|---:|---:|" + ("---:|" if runs else "")]
+        for r in sorted(sp, key=lambda r: (r.get("run") or 0) if runs else 0):
             pp, tg = r.get("pp") or {}, r.get("tg") or {}
             lines.append(f"| {cell(r['label'])} | {r['threads']} | {f(pp.get('median'), 2)} "
                          f"| {f((pp.get('ratio') or {}).get('median'), 3)} | {f(tg.get('median'), 2)} "
-                         f"| {f((tg.get('ratio') or {}).get('median'), 3)} |")
+                         f"| {f((tg.get('ratio') or {}).get('median'), 3)} |"
+                         + (f" {'–' if r.get('run') is None else r['run']} |" if runs else ""))
     return "\n".join(lines) + "\n"

@@ -271,3 +271,26 @@ def test_a_run_records_its_cpu_and_a_merge_across_cpus_says_so(tmp_path):
     old = {"cpu": {"model": "x", "avx512_vnni_bf16": True}, "kld": [{"config": "a:q8_0"}]}
     assert versus.merge(old, {"cpu": zen2, "kld": [{"config": "b:q8_0"}]})["cpu_mixed"]
     assert "cpu_mixed" not in versus.merge(old, {"cpu": zen2, "kld": [{"config": "a:q8_0"}]})  # nothing kept
+
+
+def test_weight_speed_merge_keeps_other_variants_with_their_own_run():
+    from rotaryquant.eval import versus_weights as vw
+
+    def row(label: str, build: str = "ik", threads: int = 2, tps: float = 10.0) -> dict:
+        return {"label": label, "build": build, "threads": threads, "file": {"name": label},
+                "pp": {"median": tps, "ratio": {"median": tps / 10}}, "tg": {"median": tps, "ratio": {"median": 1.0}}}
+    runs = [["rq-eval", "versus-weights", "--measure", "quality"], ["rq-eval", "versus-weights"],
+            ["rq-eval", "versus-weights", "--measure=quality"], ["rq-eval", "versus-weights", "--measure", "speed"]]
+    old = [row("ik:Q4_K_M"), row("ik:IQ3_KT+imat", tps=5.0), row("ik:Q4_K_M", threads=1)]
+    merged = vw.merge_speed(old, [row("ik:Q4_K_M", tps=12.0), row("ik:IQ3_K mix", tps=11.0)], 3, runs)
+    by = {(r["label"], r["threads"]): r for r in merged}
+    assert len(merged) == 4
+    assert by[("ik:IQ3_KT+imat", 2)]["run"] == 1 and by[("ik:Q4_K_M", 1)]["run"] == 1  # the last earlier speed run
+    assert by[("ik:Q4_K_M", 2)]["run"] == 3 and by[("ik:Q4_K_M", 2)]["pp"]["median"] == 12.0
+    md = vw.to_markdown({"model": "m", "calib_tokens": 4096, "ctx": 512, "chunks": 10, "quality": [], "speed": merged})
+    assert "| run |" in md and "compare t/s within one run only" in md
+    body = [x for x in md.splitlines() if x.startswith("| ik:")]
+    assert [x.rsplit("|", 2)[-2].strip() for x in body] == ["1", "1", "3", "3"]  # grouped by run
+    one = vw.to_markdown({"model": "m", "calib_tokens": 4096, "ctx": 512, "chunks": 10, "quality": [],
+                          "speed": vw.merge_speed([], [row("ik:Q4_K_M")], 0, runs[:1])})
+    assert "| run |" not in one
