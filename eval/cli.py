@@ -19,7 +19,7 @@ from pathlib import Path
 from rotaryquant import assets, bindings, data, paths
 from rotaryquant.errors import RQError, run_cli
 from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality,
-                              niah, report, roofline, serve, servertests, versus, weights, weightspeed)
+                              niah, report, roofline, serve, servertests, versus, versus_md, weights, weightspeed)
 from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
 from rotaryquant.eval import versus_weights as vw
 
@@ -197,7 +197,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
         raise RQError(f"--merge: {ns.out}.json is for {old.get('model')}, not {model.name}")
 
     def save() -> None:  # after every measurement: a long unattended run keeps what it finished
-        _write(ns.out, versus.merge(old, res), versus.to_markdown(versus.merge(old, res)), echo=False)
+        _write(ns.out, versus.merge(old, res), versus_md.to_markdown(versus.merge(old, res)), echo=False)
 
     for m in measures:
         if m == "kld":
@@ -212,7 +212,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
                                       depths=_floats(ns.depths, "--depths"), seeds=_ints(ns.seeds, "--seeds"),
                                       n_needles=ns.needles, threads=ns.threads)
         save()
-    print(versus.to_markdown(versus.merge(old, res)))
+    print(versus_md.to_markdown(versus.merge(old, res)))
 
 
 def cmd_versus_weights(ns: argparse.Namespace) -> None:

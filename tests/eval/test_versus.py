@@ -8,7 +8,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from rotaryquant.eval import builds, decode, niah, versus
+from rotaryquant.eval import builds, decode, niah, versus, versus_md
 
 # --- configurations -------------------------------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ def test_a_config_that_cannot_run_is_recorded_not_raised(bin_dir, smollm2, text_
     assert "rq-probe decode" in bad["command"]
     good = next(r for r in rows if r["cache"] == "f16")
     assert good["kld_mean"] == 0.0 and good["decode_tps_vs_f16"] == 1.0
-    md = versus.to_markdown({"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
+    md = versus_md.to_markdown({"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
     assert "did not run (exit 2)" in md and "this build has no cache type" in md
 
 
