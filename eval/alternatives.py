@@ -302,23 +302,35 @@ def _start_up(data: dict) -> str | None:
 
 def _needles(data: dict, ctxs: tuple[int, ...] = (DEPTH, 2 * DEPTH)) -> str | None:
     """Multi-key needles at each context: ours (defaults) finds at least as many as every peer cache at <= BUDGET
-    bits; one line over the contexts that have peer rows."""
+    bits, counted over the haystacks (seed, depth) both measured; one line over the contexts that have peer rows."""
     parts, done, ok = [], [], True
     for ctx in ctxs:
         for model, configs in data.items():
-            def found(c: dict | None, ctx: int = ctx) -> tuple[int, int] | None:
+            def hays(c: dict | None, ctx: int = ctx) -> dict[tuple, dict] | None:
                 rows = (c or {"niah": {}})["niah"].get(ctx) or []
                 if not rows or any("error" in r for r in rows):
                     return None
-                return sum(r["found"] for r in rows), sum(r["asked"] for r in rows)
-            ours = found(configs.get(OURS))
-            peers = [(label, f) for label, c in _peers(configs) if within(bits(c)) and (f := found(c))]
+                return {(r.get("seed"), r.get("depth")): r for r in rows}
+            ours = hays(configs.get(OURS))
+            peers = [(label, h) for label, c in _peers(configs) if within(bits(c)) and (h := hays(c))]
             if ours is None or not peers:
                 continue
-            ok &= all(ours[0] >= f[0] for _, f in peers)
+            cells = []
+            for label, h in peers:
+                same = [k for k in h if k in ours]
+                if not same:
+                    continue
+                mine, theirs = (sum(x[k]["found"] for k in same) for x in (ours, h))
+                asked = sum(h[k]["asked"] for k in same)
+                ok &= mine >= theirs
+                n = len(same)
+                cells.append(f"{label} {theirs}/{asked}" + ("" if n == len(ours) else
+                             f" (ours {mine}/{asked} on the same {f'{n} haystacks' if n > 1 else 'haystack'})"))
+            if not cells:
+                continue
             done.append(ctx)
-            parts.append(f"{_short(model)} at {ctx // 1024}K {ours[0]}/{ours[1]}; "
-                         + ", ".join(f"{lb} {f[0]}/{f[1]}" for lb, f in peers))
+            parts.append(f"{_short(model)} at {ctx // 1024}K {sum(r['found'] for r in ours.values())}/"
+                         f"{sum(r['asked'] for r in ours.values())}; " + ", ".join(cells))
     if not parts:
         return None
     at = " and ".join(f"{c // 1024}K" for c in dict.fromkeys(done))

@@ -133,6 +133,14 @@ def test_needles_verdict_counts_ours_against_each_peer_under_the_budget(results)
     data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 6
     with pytest.raises(alt.VerdictError, match="needles"):
         alt.verdicts(data)
+    data[GEMMA]["ours:isoquant3_0"]["niah"][8192][0]["found"] = 8
+    # a peer that measured one of our haystacks is counted on that one only, and the line says so
+    data[GEMMA]["stock:q4_0"]["niah"][8192] = [{"depth": 0.5, "found": 5, "asked": 8}]
+    line = next(v for v in alt.verdicts(data) if v.startswith("needles"))
+    assert "Gemma3 at 8K 16/16; stock:q4_0 5/8 (ours 8/8 on the same haystack)" in line
+    data[GEMMA]["ours:isoquant3_0"]["niah"][8192][1]["found"] = 4  # ours loses on that haystack: refused
+    with pytest.raises(alt.VerdictError, match="needles"):
+        alt.verdicts(data)
 
 
 def test_weight_verdict_names_each_peer_type_and_refuses_an_unexplained_loss(tmp_path):
