@@ -16,103 +16,66 @@ import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
-from rotaryquant import assets, bindings, data, paths
+from rotaryquant import assets, bindings, data
 from rotaryquant.errors import RQError, run_cli
-from rotaryquant.eval import (ablation, convertspeed, decode, gate, isovariants, kvbench, kvmemory, kvquality,
-                              niah, report, roofline, serve, servertests, versus, versus_md, weights, weightspeed)
-from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
-from rotaryquant.eval import versus_weights as vw
+from rotaryquant.eval import (ablation, cli_versus, convertspeed, decode, gate, isovariants, kvbench, kvmemory,
+                              kvquality, niah, report, roofline, serve, servertests, weights, weightspeed)
+from rotaryquant.eval.cli_common import RESULTS, floats, ints, model_path, names, write
 
-RESULTS = paths.REPO / "docs" / "results"
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
 GEMMA = "GGUF (default: the embedded Gemma3-270M)"
 
 
-def _write(stem: Path, res: dict | list, md: str, *, echo: bool = True) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    for suffix, text in ((".json", json.dumps(res, indent=1)), (".md", md)):
-        tmp = stem.with_suffix(suffix + ".partial")
-        tmp.write_text(text)
-        tmp.replace(stem.with_suffix(suffix))
-    if echo:
-        print(md)
-
-
-def _ints(spec: str, what: str) -> list[int]:
-    try:
-        return [int(x) for x in _names(spec)]
-    except ValueError:
-        raise RQError(f"{what} takes comma-separated integers, got {spec!r}") from None
-
-
-def _floats(spec: str, what: str) -> list[float]:
-    try:
-        return [float(x) for x in _names(spec)]
-    except ValueError:
-        raise RQError(f"{what} takes comma-separated numbers, got {spec!r}") from None
-
-
-def _names(spec: str) -> list[str]:
-    return [x.strip() for x in spec.split(",") if x.strip()]
-
-
-def _model(ns: argparse.Namespace, default: str) -> Path:
-    model = ns.model or assets.model_path(default)
-    if not Path(model).exists():
-        raise RQError(f"model {model} does not exist")
-    return Path(model)
-
-
 def _types(spec: str) -> list[str]:
     """Comma-separated cache types; each is a type or K/V pair (q8_0/isoquant3_0)."""
-    return [bindings.validate_kv_spec(t) for t in _names(spec)]
+    return [bindings.validate_kv_spec(t) for t in names(spec)]
 
 
 def cmd_bench(ns: argparse.Namespace) -> None:
-    configs = [kvbench.config(t) for t in _names(ns.types)]
-    depths = _ints(ns.depths, "--depths")
-    res = kvbench.bench(_model(ns, assets.ISO_MODEL), configs=configs, depths=depths, n_prompt=ns.n_prompt,
+    configs = [kvbench.config(t) for t in names(ns.types)]
+    depths = ints(ns.depths, "--depths")
+    res = kvbench.bench(model_path(ns, assets.ISO_MODEL), configs=configs, depths=depths, n_prompt=ns.n_prompt,
                         n_gen=ns.n_gen, reps=ns.reps, threads=ns.threads)
-    _write(ns.out, res, kvbench.to_markdown(res))
+    write(ns.out, res, kvbench.to_markdown(res))
 
 
 def cmd_ppl(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.ISO_MODEL)
-    res = kvquality.run(model, data.evaluation_text(), kv_types=_types(ns.kv), ctxs=_ints(ns.ctx, "--ctx"),
+    model = model_path(ns, assets.ISO_MODEL)
+    res = kvquality.run(model, data.evaluation_text(), kv_types=_types(ns.kv), ctxs=ints(ns.ctx, "--ctx"),
                         chunks=ns.chunks, unfused=ns.unfused, deferred=ns.deferred, threads=ns.threads)
-    _write(ns.out, res, kvquality.to_markdown(res))
+    write(ns.out, res, kvquality.to_markdown(res))
 
 
 def cmd_decode(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.ISO_MODEL)
+    model = model_path(ns, assets.ISO_MODEL)
     text = ns.text or data.evaluation_text()
     if not Path(text).exists():
         raise RQError(f"text {text} does not exist")
     modes = {"off": False, "on": True}
     deferred = []
-    for d in _names(ns.deferred):
+    for d in names(ns.deferred):
         if d not in modes:
             raise RQError(f"--deferred takes off, on or off,on; got {d!r}")
         deferred.append(modes[d])
-    res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=_ints(ns.prefill, "--prefill"),
+    res = decode.run(model, Path(text), cache_types=_types(ns.kv), prefill=ints(ns.prefill, "--prefill"),
                      tokens=ns.tokens, deferred=list(dict.fromkeys(deferred)), threads=ns.threads,
                      roofline=ns.roofline, rounds=ns.rounds)
     if ns.note:
         res["note"] = ns.note
-    _write(ns.out, res, decode.to_markdown(res))
+    write(ns.out, res, decode.to_markdown(res))
 
 
 def cmd_memory(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.ISO_MODEL)
-    prompts = _ints(ns.prompt, "--prompt")
+    model = model_path(ns, assets.ISO_MODEL)
+    prompts = ints(ns.prompt, "--prompt")
     if not prompts or min(prompts) < 2:
         raise RQError("--prompt takes prompt lengths of at least 2 tokens")
     res = kvmemory.run(model, caches=_types(ns.kv), prompts=prompts, threads=ns.threads)
-    _write(ns.out, res, kvmemory.to_markdown(res))
+    write(ns.out, res, kvmemory.to_markdown(res))
 
 
 def cmd_weights(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.DEFAULT_MODEL)
+    model = model_path(ns, assets.DEFAULT_MODEL)
     variants = weights.DEFAULT_VARIANTS if ns.mode == "ftype" else weights.tensor_variants(ns.tensor)
     if ns.only:
         known = {v.label: v for v in variants}
@@ -134,139 +97,59 @@ def cmd_weights(ns: argparse.Namespace) -> None:
              else f"one tensor role ({ns.tensor}) per type, Q8_0 elsewhere")
 
     def save(res: dict) -> None:  # after every row: an interrupted run keeps its rows (--merge continues it)
-        _write(out, res, weights.to_markdown(res, title), echo=False)
+        write(out, res, weights.to_markdown(res, title), echo=False)
 
     with tempfile.TemporaryDirectory(prefix="rq-weights-") as tmp:
         res = weights.bench(model, Path(ns.workdir or tmp), data.evaluation_text(), data.calibration_text(),
                             variants=variants, chunks=ns.chunks, threads=ns.threads, reps=ns.reps, merge=merge,
                             on_row=save)
-    _write(out, res, weights.to_markdown(res, title))
+    write(out, res, weights.to_markdown(res, title))
 
 
 def cmd_ablation(ns: argparse.Namespace) -> None:
-    res = ablation.run(_model(ns, assets.ISO_MODEL), data.evaluation_text(), ctx=ns.ctx, chunks=ns.chunks,
+    res = ablation.run(model_path(ns, assets.ISO_MODEL), data.evaluation_text(), ctx=ns.ctx, chunks=ns.chunks,
                        threads=ns.threads)
-    _write(ns.out, res, ablation.to_markdown(res))
+    write(ns.out, res, ablation.to_markdown(res))
 
 
 def cmd_roofline(ns: argparse.Namespace) -> None:
-    configs = [kvbench.config(t) for t in _names(ns.types)]
-    res = roofline.run(_model(ns, assets.ISO_MODEL), configs=configs, depths=_ints(ns.depths, "--depths"),
+    configs = [kvbench.config(t) for t in names(ns.types)]
+    res = roofline.run(model_path(ns, assets.ISO_MODEL), configs=configs, depths=ints(ns.depths, "--depths"),
                        n_gen=ns.n_gen, reps=ns.reps, threads=ns.threads)
-    _write(ns.out, res, roofline.to_markdown(res))
+    write(ns.out, res, roofline.to_markdown(res))
     roofline.plot(res, ns.out.with_suffix(".png"))
 
 
 def cmd_niah(ns: argparse.Namespace) -> None:
-    res = niah.run(_model(ns, assets.ISO_MODEL), data.evaluation_text(), cache_types=_types(ns.kv),
-                   ctxs=_ints(ns.ctx, "--ctx"), depths=_floats(ns.depths, "--depths"),
-                   seeds=tuple(_ints(ns.seeds, "--seeds")), n_needles=ns.needles, deferred=ns.deferred,
+    res = niah.run(model_path(ns, assets.ISO_MODEL), data.evaluation_text(), cache_types=_types(ns.kv),
+                   ctxs=ints(ns.ctx, "--ctx"), depths=floats(ns.depths, "--depths"),
+                   seeds=tuple(ints(ns.seeds, "--seeds")), n_needles=ns.needles, deferred=ns.deferred,
                    threads=ns.threads)
-    _write(ns.out, res, niah.to_markdown(res))
-
-
-def _builds(ns: argparse.Namespace) -> dict[str, builds_mod.Build]:
-    """--build NAME=BIN_DIR, ours (build/cpu/bin) first unless given."""
-    blds = {b.name: b for b in (builds_mod.parse(x) for x in ns.build)}
-    return blds if "ours" in blds else {"ours": builds_mod.ours(), **blds}
-
-
-def cmd_versus(ns: argparse.Namespace) -> None:
-    if "niah" in _names(ns.measure) and not 1 <= ns.needles <= len(niah.KEYS):
-        raise RQError(f"--needles {ns.needles}: a haystack holds 1 to {len(niah.KEYS)}",
-                      fix="ask for more needles with more --depths (one haystack each)")
-    model = _model(ns, assets.ISO_MODEL).resolve()  # the programs run in a scratch folder
-    blds = _builds(ns)
-    configs = [versus.parse_config(c, list(blds)) for c in ns.config]
-    if not configs:
-        raise RQError("no --config given", fix="add e.g. --config ours:isoquant3_0 --config 'ik:q4_0 -khad -vhad'")
-    measures = _names(ns.measure)
-    unknown = [m for m in measures if m not in versus.MEASURES]
-    if unknown:
-        raise RQError(f"--measure: unknown {', '.join(unknown)}; known: {', '.join(versus.MEASURES)}")
-    used = {c.build for c in configs}
-    versus.TIMEOUT = ns.timeout
-    res: dict = {"model": model.name, "text": data.evaluation_text().name, "threads": ns.threads,
-                 "runs": [["rq-eval", *ns.argv]], "builds": {n: b.describe() for n, b in blds.items() if n in used},
-                 "cpu": builds_mod.cpu()}
-    text = data.evaluation_text()
-
-    old = json.loads(ns.out.with_suffix(".json").read_text()) if ns.merge and ns.out.with_suffix(".json").exists() \
-        else {}
-    if old and old.get("model") != model.name:
-        raise RQError(f"--merge: {ns.out}.json is for {old.get('model')}, not {model.name}")
-
-    def save() -> None:  # after every measurement: a long unattended run keeps what it finished
-        _write(ns.out, versus.merge(old, res), versus_md.to_markdown(versus.merge(old, res)), echo=False)
-
-    for m in measures:
-        if m == "kld":
-            res["kld"] = versus.kld(blds, configs, model, text, ctx=ns.ctx, chunks=ns.chunks, threads=ns.threads)
-        elif m == "decode":
-            res["decode"] = versus.decode(blds, configs, model, text, prefill=ns.prefill, steps=ns.tokens,
-                                          rounds=ns.rounds, threads=ns.threads)
-        elif m == "ttft":
-            res["ttft"] = versus.ttft(blds, configs, model, text, rounds=max(ns.rounds, 3), threads=ns.threads)
-        else:
-            res["niah"] = versus.niah(blds, configs, model, text, ctxs=_ints(ns.niah_ctx, "--niah-ctx"),
-                                      depths=_floats(ns.depths, "--depths"), seeds=_ints(ns.seeds, "--seeds"),
-                                      n_needles=ns.needles, threads=ns.threads)
-        save()
-    print(versus_md.to_markdown(versus.merge(old, res)))
-
-
-def cmd_versus_weights(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.CHAT_ISO_MODEL).resolve()
-    blds = _builds(ns)
-    variants = [vw.parse_variant(v, list(blds)) for v in ns.variant]
-    if not variants:
-        raise RQError("no --variant given", fix="add e.g. --variant 'ik:IQ3_KT+imat'")
-    out = ns.out.with_suffix(".json")
-    res = json.loads(out.read_text()) if ns.merge and out.exists() else {}
-    if res and res.get("model") != model.name:
-        raise RQError(f"--merge: {out} is for {res.get('model')}, not {model.name}")
-    used = {v.build for v in variants}
-    res.update({"model": model.name, "ctx": ns.ctx, "chunks": ns.chunks, "calib_tokens": ns.imatrix_chunks * ns.ctx,
-                "builds": {**res.get("builds", {}), **{n: b.describe() for n, b in blds.items() if n in used}},
-                "runs": [*res.get("runs", []), ["rq-eval", *ns.argv]]})
-    work = ns.workdir or paths.build_dir() / "versus-weights" / model.stem
-    labels = {v.label for v in variants}
-    measures = _names(ns.measure)
-    if "quality" in measures:
-        rows = vw.quality(blds, variants, model, work, data.evaluation_text(), data.calibration_text(), ctx=ns.ctx,
-                          chunks=ns.chunks, imatrix_chunks=ns.imatrix_chunks, threads=ns.threads,
-                          reuse=ns.reuse_quantized)
-        res["quality"] = [r for r in res.get("quality", []) if r["label"] not in labels] + rows
-        _write(ns.out, res, vw.to_markdown(res), echo=False)
-    if "speed" in measures:
-        rows = vw.speed(blds, variants, model, work, threads=_ints(ns.speed_threads, "--speed-threads"),
-                        rounds=ns.rounds)
-        res["speed"] = vw.merge_speed(res.get("speed", []), rows, len(res["runs"]) - 1, res["runs"])
-    _write(ns.out, res, vw.to_markdown(res))
+    write(ns.out, res, niah.to_markdown(res))
 
 
 def cmd_gate(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.CHAT_ISO_MODEL)
+    model = model_path(ns, assets.CHAT_ISO_MODEL)
     runs = [(t, False) for t in _types(ns.kv)]
     if ns.unfused:
         runs.append(("isoquant3_0", True))
     res = [gate.run(model, cache_type=t, unfused=u, max_tokens=ns.max_tokens, threads=ns.threads)
            for t, u in runs]
-    _write(ns.out, res, gate.to_markdown(res))
+    write(ns.out, res, gate.to_markdown(res))
 
 
 def cmd_serve(ns: argparse.Namespace) -> None:
-    model = _model(ns, assets.ISO_MODEL)
+    model = model_path(ns, assets.ISO_MODEL)
     modes = {"default": [False], "deterministic": [True], "both": [False, True]}[ns.mode]
     res = [serve.as_dict(serve.load_test(model, cache=c, clients=ns.clients, per_client=ns.requests,
                                          n_predict=ns.n_predict, threads=ns.threads,
                                          server_args=ns.server_arg, deterministic=d))
            for d in modes for c in _types(ns.kv)]
-    _write(ns.out, res, serve.to_markdown(res))
+    write(ns.out, res, serve.to_markdown(res))
 
 
 def cmd_soak(ns: argparse.Namespace) -> None:
-    res = serve.soak(_model(ns, assets.ISO_MODEL), cache=bindings.validate_kv_spec(ns.kv), minutes=ns.minutes,
+    res = serve.soak(model_path(ns, assets.ISO_MODEL), cache=bindings.validate_kv_spec(ns.kv), minutes=ns.minutes,
                      clients=ns.clients, threads=ns.threads, mixed=ns.mixed, disconnect_every=ns.disconnect_every,
                      extra=ns.server_arg)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
@@ -284,27 +167,27 @@ def cmd_server_tests(ns: argparse.Namespace) -> None:
     if ns.render:
         res = json.loads(ns.out.with_suffix(".json").read_text())
     else:
-        res = servertests.run(_names(ns.configs), select=_names(ns.files), slow=ns.slow, threads=ns.threads,
+        res = servertests.run(names(ns.configs), select=names(ns.files), slow=ns.slow, threads=ns.threads,
                               nice=ns.nice, keyword=ns.keyword, jobs=ns.jobs)
         res["command"] = " ".join([ns.prog, *ns.argv])
     servertests.annotate(res)
-    _write(ns.out, res, servertests.to_markdown(res))
+    write(ns.out, res, servertests.to_markdown(res))
 
 
 def cmd_convert_speed(ns: argparse.Namespace) -> None:
-    plan = convertspeed.Plan(_names(ns.models), _names(ns.recipes), _names(ns.inputs), ns.layers)
+    plan = convertspeed.Plan(names(ns.models), names(ns.recipes), names(ns.inputs), ns.layers)
     if ns.tiny:
         plan = plan.tiny()
     meta = convertspeed.meta(" ".join([ns.prog, *ns.argv]))
     with tempfile.TemporaryDirectory(prefix="rq-convert-bench-", dir=ns.work_dir) as td:
         rows = convertspeed.run(plan, Path(td), nice=ns.nice)
-    _write(ns.out, convertspeed.as_dict(rows, meta), convertspeed.to_markdown(rows, meta))
+    write(ns.out, convertspeed.as_dict(rows, meta), convertspeed.to_markdown(rows, meta))
 
 
 def cmd_weight_speed(ns: argparse.Namespace) -> None:
     res = weightspeed.measure(ns.files, rounds=ns.rounds, n_prompt=ns.n_prompt, n_gen=ns.n_gen, threads=ns.threads)
     res["command"] = " ".join([ns.prog, *ns.argv])
-    _write(ns.out, res, weightspeed.to_markdown(res))
+    write(ns.out, res, weightspeed.to_markdown(res))
 
 
 def cmd_isoquant_variants(ns: argparse.Namespace) -> None:
@@ -312,7 +195,7 @@ def cmd_isoquant_variants(ns: argparse.Namespace) -> None:
         raise RQError(f"--vectors: at least {isovariants.T} vectors (one attention context), got {ns.vectors}")
     modes = isovariants.iq.NORM_MODES if ns.all_modes else isovariants.DEFAULT_MODES
     res = isovariants.run(modes=tuple(modes), n=ns.vectors)
-    _write(ns.out, res, isovariants.to_markdown(res))
+    write(ns.out, res, isovariants.to_markdown(res))
 
 
 def cmd_report(ns: argparse.Namespace) -> None:
@@ -431,52 +314,7 @@ def build_parser(prog: str = "rq-eval") -> tuple[argparse.ArgumentParser, dict[s
     n.add_argument("--deferred", choices=("off", "also", "only"), default="off",
                    help="run each non-f16 type (also / only) with deferred prefill (label 'TYPE deferred')")
 
-    vs = add("versus", "other llama.cpp builds (stock, forks) beside ours: KLD, decode KLD and speed, start-up, "
-             "needles, each build through its own binaries against its own F16", cmd_versus, out="versus")
-    vs.add_argument("--build", action="append", default=[], metavar="NAME=BIN_DIR",
-                    help="a build's bin folder (CMake, shared libraries), repeatable; 'ours' is build/cpu/bin "
-                         "unless given")
-    vs.add_argument("--config", action="append", default=[], metavar="'BUILD:K[/V] [FLAGS]'",
-                    help="a cache configuration as that build's tools take it, repeatable, e.g. "
-                         "'ours:isoquant3_0', 'turbo:q8_0/turbo3', 'ik:q4_0 -khad -vhad'; each build's f16 is added "
-                         "as its baseline (not for niah)")
-    vs.add_argument("--measure", default="kld,decode,ttft",
-                    help=f"comma-separated, of {', '.join(versus.MEASURES)}")
-    vs.add_argument("--ctx", type=int, default=2048, help="kld: llama-perplexity's context")
-    vs.add_argument("--chunks", type=int, default=2, help="kld: chunks")
-    vs.add_argument("--prefill", type=int, default=8192, help="decode: prompt tokens before the decode steps")
-    vs.add_argument("--tokens", type=int, default=64, help="decode: teacher-forced steps after the prompt")
-    vs.add_argument("-r", "--rounds", type=int, default=1,
-                    help="decode and ttft (at least 3): interleaved rounds, every other one reversed; medians")
-    vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
-    vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
-    vs.add_argument("--seeds", default="42", help="niah: seeds")
-    vs.add_argument("--needles", type=int, default=niah.N_NEEDLES,
-                    help=f"niah: needles per haystack (1-{len(niah.KEYS)}), all at the haystack's depth")
-    vs.add_argument("--merge", action="store_true",
-                    help="keep the existing output's rows of the configurations this run does not measure (same model)")
-    vs.add_argument("--timeout", type=float, default=versus.TIMEOUT,
-                    help="seconds one program may run; past it the row records the timeout and the run goes on")
-
-    vw = add("versus-weights", "weight types of other llama.cpp builds beside ours: each build quantises the same F16 "
-             "with its own tools and importance matrix; KLD vs its own F16, t/s vs its own Q4_K_M", cmd_versus_weights,
-             out="versus-weights-qwen", model="GGUF to requantise (default: Qwen2.5-Coder-1.5B, the optional asset)")
-    vw.add_argument("--build", action="append", default=[], metavar="NAME=BIN_DIR", help="a build's bin folder")
-    vw.add_argument("--variant", action="append", default=[], metavar="'BUILD:FTYPE[+imat] [ARGS]'",
-                    help="llama-quantize type of that build, +imat: with its importance matrix; ARGS go to its "
-                         "llama-quantize (e.g. --custom-q for a mixture)")
-    vw.add_argument("--measure", default="quality,speed", help="quality, speed or both")
-    vw.add_argument("--ctx", type=int, default=512, help="perplexity and importance-matrix context")
-    vw.add_argument("--chunks", type=int, default=10, help="perplexity chunks")
-    vw.add_argument("--imatrix-chunks", type=int, default=weights.CALIB_TOKENS // 512, help="importance-matrix chunks")
-    vw.add_argument("--speed-threads", default="1,2", help="llama-bench thread counts")
-    vw.add_argument("-r", "--rounds", type=int, default=3, help="llama-bench interleaved rounds")
-    vw.add_argument("--workdir", type=Path, help="F16 file, logits, importance matrices and quantised files "
-                                                 "(default: build/versus-weights/MODEL)")
-    vw.add_argument("--merge", action="store_true", help="keep the existing output's other rows")
-    vw.add_argument("--reuse-quantized", action="store_true",
-                    help="score a variant's quantised file already in the workdir instead of quantising it again "
-                         "(the row then has no quantize time); for types that take an hour to quantise")
+    cli_versus.add_parsers(add)
 
     g = add("gate", "12-prompt quality gate (instruction model): pass/fail per KV type", cmd_gate, out="gate",
             model="GGUF of an instruction model (default: Qwen2.5-Coder-1.5B-Instruct, the optional asset; "
