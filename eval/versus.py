@@ -30,7 +30,7 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -406,15 +406,18 @@ def ttft(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, tex
 
 def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, haystack: Path, *, ctxs: Sequence[int],
          depths: Sequence[float], seeds: Sequence[int] = (42,), n_needles: int = 8, threads: int = 2,
-         answer: int = 12, progress: Progress = print) -> list[dict]:
+         answer: int = 12, progress: Progress = print, rows: list[dict] | None = None,
+         saved: Callable[[], None] = lambda: None, skip: Collection[tuple] = ()) -> list[dict]:
     """Multi-key needles (rotaryquant.eval.niah's haystacks and questions) through each build's rq-probe. No F16
-    baseline is added: give the configurations to compare, f16 among them if wanted."""
+    baseline is added: give the configurations to compare, f16 among them if wanted. Rows are appended to ``rows``
+    as each haystack finishes, then ``saved()`` runs (a run of hours keeps what it finished); a (configuration, ctx,
+    seed, depth) in ``skip`` is not run (rq-eval versus --resume: the output file holds it)."""
     import llama_cpp  # lazy: loads the patched libllama: needs the build
 
     text = haystack.read_text(errors="replace")
     voc = llama_cpp.Llama(model_path=str(model), vocab_only=True, n_ctx=16, verbose=False)
     shape = kv_shape(model)
-    rows = []
+    rows = [] if rows is None else rows
     try:
         vocab = llama_cpp.llama_model_get_vocab(voc.model)
         with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
@@ -430,6 +433,10 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
                             f"\n\nQuestion: What is the secret number of the {k}?\nAnswer: The secret number of the "
                             f"{k} is".encode(), add_bos=False))) + "\n" for k, _ in pairs))
                         for cfg in configs:
+                            if (cfg.label, ctx, seed, depth) in skip:
+                                progress(f"[rq-eval versus] niah ctx {ctx} seed {seed} depth {depth:.0%}: "
+                                         f"{cfg.label}: kept from the output file (--resume)")
+                                continue
                             progress(f"[rq-eval versus] niah ctx {ctx} seed {seed} depth {depth:.0%}: {cfg.label}")
                             cmd = _probe_cmd(builds[cfg.build], "niah", model, ctx, cfg, threads, "--tokens", str(hay),
                                              "--questions", str(qs), "--answer", str(answer))
@@ -453,6 +460,7 @@ def niah(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, hay
                                                    for (_, v), a in zip(pairs, answers))
                                 progress(f"[rq-eval versus]   {row['found']}/{row['asked']}")
                             rows.append(row)
+                            saved()
     finally:
         voc.close()
     return rows

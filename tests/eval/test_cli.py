@@ -35,6 +35,7 @@ def _run(*args):
     (["weights", "--only", "IQ3_S,Q9_K"], "--only: unknown variant(s) Q9_K"),
     (["weights", "--merge", "-o", "/nonexistent/weights"], "--merge: /nonexistent/weights.json does not exist"),
     (["versus", "--config", "ours:f16", "--measure", "niah", "--needles", "9"], "--needles 9: a haystack holds 1 to 8"),
+    (["versus", "--config", "ours:f16", "--measure", "niah", "--resume"], "--resume continues the needles"),
 ])
 def test_bad_arguments(args, message, capsys):
     assert cli.main(args) == 1

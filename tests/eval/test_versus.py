@@ -147,6 +147,25 @@ def test_probe_needles_answer_as_the_python_needles(bin_dir, smollm2, text_file)
     assert mine[0]["answers"] == ref[0]["answers"]
 
 
+def test_needles_rows_are_saved_as_they_finish_and_held_ones_skipped(bin_dir, smollm2, text_file, monkeypatch):
+    ran: list[str] = []
+
+    def fake_run(cmd, timeout=None, env=None):
+        ran.append(cmd[1])
+        return 0, "1 2\n1 2\n", "", 0.1
+    monkeypatch.setattr(versus, "_probe_cmd", lambda b, mode, model, ctx, cfg, t, *extra: ["rq-probe", cfg.label])
+    monkeypatch.setattr(versus, "_run", fake_run)
+    cfgs = [versus.Config("ours", "f16", "f16"), versus.Config("ours", "q8_0", "q8_0")]
+    rows: list[dict] = []
+    saved: list[int] = []
+    out = versus.niah({"ours": builds.ours()}, cfgs, smollm2, text_file, ctxs=[512], depths=[0.1, 0.5],
+                      n_needles=2, progress=lambda _: None, rows=rows, saved=lambda: saved.append(len(rows)),
+                      skip={("ours:q8_0", 512, 42, 0.5)})
+    assert out is rows and saved == [1, 2, 3]  # each haystack saved as it finished
+    assert ran == ["ours:f16", "ours:q8_0", "ours:f16"]  # the held one was not run again
+    assert [(r["config"], r["depth"]) for r in rows] == [("ours:f16", 0.1), ("ours:q8_0", 0.1), ("ours:f16", 0.5)]
+
+
 @pytest.mark.slow
 def test_a_config_that_cannot_run_is_recorded_not_raised(bin_dir, smollm2, text_file):
     cfgs = [versus.Config("ours", "no_such_type", "no_such_type")]
