@@ -57,7 +57,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
             res["kld"] = versus.kld(blds, configs, model, text, ctx=ns.ctx, chunks=ns.chunks, threads=ns.threads)
         elif m == "decode":
             res["decode"] = versus.decode(blds, configs, model, text, prefill=ns.prefill, steps=ns.tokens,
-                                          rounds=ns.rounds, threads=ns.threads)
+                                          rounds=ns.rounds, repeats=ns.repeat, threads=ns.threads)
         elif m == "ttft":
             res["ttft"] = versus.ttft(blds, configs, model, text, rounds=max(ns.rounds, 3), threads=ns.threads)
         else:
@@ -120,6 +120,9 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
     vs.add_argument("--tokens", type=int, default=64, help="decode: teacher-forced steps after the prompt")
     vs.add_argument("-r", "--rounds", type=int, default=1,
                     help="decode and ttft (at least 3): interleaved rounds, every other one reversed; medians")
+    vs.add_argument("--repeat", type=int, default=1,
+                    help="decode: time the steps this many times after each prefill, from a saved copy of the state "
+                         "(median): more samples at a depth whose prefill takes minutes")
     vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
     vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
     vs.add_argument("--seeds", default="42", help="niah: seeds")

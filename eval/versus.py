@@ -281,16 +281,20 @@ def _tokens_file(path: Path, toks: Sequence[int]) -> Path:
 
 
 def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prefill: int,
-           steps: int = 64, rounds: int = 1, threads: int = 2, progress: Progress = print) -> list[dict]:
-    """Prefill `prefill` tokens, teacher-force `steps`: per-step KLD against the build's F16, speeds in rounds."""
-    if rounds < 1 or steps < 1 or prefill < 2:
-        raise VersusError("decode needs a prefill of at least 2 tokens, at least 1 step and 1 round")
+           steps: int = 64, rounds: int = 1, repeats: int = 1, threads: int = 2,
+           progress: Progress = print) -> list[dict]:
+    """Prefill `prefill` tokens, teacher-force `steps`: per-step KLD against the build's F16, speeds in rounds; in
+    each round the steps are timed `repeats` times from a saved copy of the state (a round's decode time is their
+    median: samples at a depth whose prefill takes minutes, for seconds each)."""
+    if rounds < 1 or steps < 1 or prefill < 2 or repeats < 1:
+        raise VersusError("decode needs a prefill of at least 2 tokens, at least 1 step, 1 round and 1 repeat")
     toks = dec.text_tokens(model, text, prefill + steps + 1)
     targets = np.asarray(toks[prefill:prefill + steps + 1])
     n_ctx = -(-(prefill + steps) // 256) * 256
     shape = kv_shape(model)
     order = with_baselines(configs)
     secs: dict[Config, list[tuple[float, float]]] = {c: [] for c in order}
+    reps: dict[Config, list[list[float]]] = {c: [] for c in order}
     first: dict[Config, dict] = {}
     with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
         tok_file = _tokens_file(Path(tmp) / "tokens.txt", toks)
@@ -302,6 +306,7 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
             logits = Path(tmp) / f"{len(first)}.f32"
             cmd = _probe_cmd(builds[cfg.build], "decode", model, n_ctx, cfg, threads, "--tokens", str(tok_file),
                              "--prefill", str(prefill), "--steps", str(steps),
+                             *(["--repeat", str(repeats)] if repeats > 1 else []),
                              *(["--logits", str(logits)] if rnd == 0 else []))
             rc, out, err, _ = _run(cmd, env=cfg.env())
             if rnd == 0:
@@ -311,12 +316,13 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
                 progress(f"[rq-eval versus]   failed: {first[cfg]['error']}: {first[cfg]['log_tail'][-1:]}")
                 continue
             t = _json_line(out)
-            secs[cfg].append((t["prefill_s"], t["decode_s"]))
+            reps[cfg].append(t.get("decode_s_repeats") or [t["decode_s"]])
+            secs[cfg].append((t["prefill_s"], statistics.median(reps[cfg][-1])))
             if rnd == 0:
                 first[cfg]["logits"] = logits
                 first[cfg]["n_vocab"] = t["n_vocab"]
             progress(f"[rq-eval versus]   prefill {prefill / t['prefill_s']:.1f} t/s, decode "
-                     f"{steps / t['decode_s']:.2f} t/s")
+                     + ", ".join(f"{steps / d:.2f}" for d in reps[cfg][-1]) + " t/s")
         rows = []
         for cfg in order:
             f = first[cfg]
@@ -333,6 +339,8 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
                 row["decode_tps_rounds"] = [round(steps / d, 3) for _, d in secs[cfg]]
                 row["prefill_tps"] = round(statistics.median(row["prefill_tps_rounds"]), 2)
                 row["decode_tps"] = round(statistics.median(row["decode_tps_rounds"]), 3)
+                if repeats > 1:
+                    row["decode_tps_repeats"] = [[round(steps / d, 3) for d in r] for r in reps[cfg]]
             rows.append(row)
     _ratios(rows, ("prefill_tps", "decode_tps"))
     return rows

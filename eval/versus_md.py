@@ -74,8 +74,10 @@ def _rows_kld(rows: list[dict]) -> list[str]:
 def _title_decode(res: dict) -> str:
     r = res["decode"][0]
     rounds = len(next((x["decode_tps_rounds"] for x in res["decode"] if x.get("decode_tps_rounds")), [0]))
+    reps = max((len(x) for r in res["decode"] for x in r.get("decode_tps_repeats") or []), default=1)
+    again = f", the steps timed {reps} times after each prefill (state restored)" if reps > 1 else ""
     return (f"### Decode after a {r['prefill']}-token prompt: rq-probe, {r['steps']} teacher-forced steps; speeds are "
-            f"medians of {rounds} interleaved round(s), ratios over the same build's F16")
+            f"medians of {rounds} interleaved round(s){again}, ratios over the same build's F16")
 
 
 def _rows_decode(rows: list[dict]) -> list[str]:

@@ -63,7 +63,7 @@ static ggml_type type_by_name(const std::string & name) {
 
 struct opts {
     std::string mode, model, tokens, out, questions;
-    int n_ctx = 0, threads = 2, prefill = 0, steps = 0, answer = 12;
+    int n_ctx = 0, threads = 2, prefill = 0, steps = 0, answer = 12, repeat = 1;
     std::string ctk = "f16", ctv = "f16";
     bool fa = true, khad = false, vhad = false;
     bool rq_no_k_center = false, rq_deferred = false, rq_unfused = false;
@@ -73,7 +73,8 @@ struct opts {
 
 static void usage() {
     fprintf(stderr,
-        "usage: rq-probe decode -m MODEL --tokens FILE --prefill N --steps M [--logits OUT] [context flags]\n"
+        "usage: rq-probe decode -m MODEL --tokens FILE --prefill N --steps M [--logits OUT] [--repeat R] [context flags]\n"
+        "       (--repeat R: the M steps timed R times after one prefill, the state restored before each)\n"
         "       rq-probe niah   -m MODEL --tokens FILE --questions FILE [--answer K] [context flags]\n"
         "context flags: -c N_CTX -t THREADS -ctk TYPE -ctv TYPE -fa on|off"
 #ifdef RQ_PROBE_HAD
@@ -109,6 +110,7 @@ static opts parse(int argc, char ** argv) {
         else if (a == "--prefill") o.prefill = atoi(val().c_str());
         else if (a == "--steps") o.steps = atoi(val().c_str());
         else if (a == "--answer") o.answer = atoi(val().c_str());
+        else if (a == "--repeat") o.repeat = atoi(val().c_str());
         else if (a == "-ctk") o.ctk = val();
         else if (a == "-ctv") o.ctv = val();
         else if (a == "-fa") { std::string v = val(); o.fa = v == "on" || v == "1"; }
@@ -208,6 +210,7 @@ int main(int argc, char ** argv) {
         if (o.prefill < 2 || o.steps < 0 || (size_t) (o.prefill + o.steps) > toks.size())
             die("--prefill N (>= 2) and --steps M need N + M tokens in " + o.tokens);
         if (o.prefill + o.steps > o.n_ctx) die("prefill + steps exceed -c");
+        if (o.repeat < 1) die("--repeat needs at least 1");
         FILE * lf = o.out.empty() ? nullptr : fopen(o.out.c_str(), "wb");
         if (!o.out.empty() && !lf) die("cannot write " + o.out);
         t0 = std::chrono::steady_clock::now();
@@ -215,16 +218,30 @@ int main(int argc, char ** argv) {
         double prefill_s = since(t0);
         double first_s = since(t_main);
         if (lf) fwrite(llama_get_logits_ith(ctx, -1), sizeof(float), n_vocab, lf);
-        double decode_s = 0;
-        for (int i = 0; i < o.steps; i++) {
-            t0 = std::chrono::steady_clock::now();
-            if (llama_decode(ctx, batch_of(toks, o.prefill + i, 1, o.prefill + i)) != 0) die("llama_decode failed");
-            decode_s += since(t0);
-            if (lf) fwrite(llama_get_logits_ith(ctx, -1), sizeof(float), n_vocab, lf);
+        // a long prompt's prefill costs minutes; the steps after it, seconds: timing them again from a saved copy
+        // of the state gives more samples of the decode speed at that depth for no further prefill
+        std::vector<uint8_t> state;
+        if (o.repeat > 1) {
+            state.resize(llama_state_get_size(ctx));
+            state.resize(llama_state_get_data(ctx, state.data(), state.size()));
+        }
+        std::vector<double> decode_s(o.repeat, 0.0);
+        for (int r = 0; r < o.repeat; r++) {
+            if (r > 0 && llama_state_set_data(ctx, state.data(), state.size()) != state.size())
+                die("cannot restore the state");
+            for (int i = 0; i < o.steps; i++) {
+                t0 = std::chrono::steady_clock::now();
+                if (llama_decode(ctx, batch_of(toks, o.prefill + i, 1, o.prefill + i)) != 0) die("llama_decode failed");
+                decode_s[r] += since(t0);
+                if (lf && r == 0) fwrite(llama_get_logits_ith(ctx, -1), sizeof(float), n_vocab, lf);
+            }
         }
         if (lf && fclose(lf) != 0) die("cannot write " + o.out);
+        std::string reps;
+        for (double d : decode_s) reps += (reps.empty() ? "" : ", ") + std::to_string(d);
         printf("{\"load_s\": %.4f, \"ctx_s\": %.4f, \"prefill_s\": %.4f, \"decode_s\": %.4f, \"first_token_s\": %.4f, "
-               "\"n_vocab\": %d}\n", load_s, ctx_s, prefill_s, decode_s, first_s, n_vocab);
+               "\"n_vocab\": %d, \"decode_s_repeats\": [%s]}\n", load_s, ctx_s, prefill_s, decode_s[0], first_s, n_vocab,
+               reps.c_str());
     } else {
         if (o.questions.empty()) die("niah needs --questions");
         auto questions = read_lines(o.questions);

@@ -3,6 +3,7 @@ against our own Python measurement path (its slow twin), failures recorded rathe
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import numpy as np
@@ -164,6 +165,45 @@ def test_needles_rows_are_saved_as_they_finish_and_held_ones_skipped(bin_dir, sm
     assert out is rows and saved == [1, 2, 3]  # each haystack saved as it finished
     assert ran == ["ours:f16", "ours:q8_0", "ours:f16"]  # the held one was not run again
     assert [(r["config"], r["depth"]) for r in rows] == [("ours:f16", 0.1), ("ours:q8_0", 0.1), ("ours:f16", 0.5)]
+
+
+def test_decode_repeats_time_the_steps_again_and_take_their_median(bin_dir, smollm2, text_file, monkeypatch):
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, timeout=None, env=None):
+        calls.append(cmd)
+        if "--logits" in cmd:
+            np.zeros((5, 1 << 16), np.float32).tofile(cmd[cmd.index("--logits") + 1])
+        x = 2.0 if "q8_0" in cmd else 1.0
+        return 0, json.dumps({"prefill_s": 1.0, "decode_s": 9 * x, "n_vocab": 1 << 16,
+                              "decode_s_repeats": [9 * x, 1 * x, 2 * x]}), "", 0.1
+    monkeypatch.setattr(versus, "_probe_cmd", lambda b, mode, model, ctx, cfg, t, *extra: ["rq-probe", *cfg.args(),
+                                                                                           *extra])
+    monkeypatch.setattr(versus, "_run", fake_run)
+    rows = versus.decode({"ours": builds.ours()}, [versus.Config("ours", "q8_0", "q8_0")], smollm2, text_file,
+                         prefill=8, steps=4, repeats=3, progress=lambda _: None)
+    assert len(calls) == 2 and all(c[c.index("--repeat") + 1] == "3" for c in calls)
+    q = next(r for r in rows if r["cache"] == "q8_0")
+    assert q["decode_tps_repeats"] == [[0.222, 2.0, 1.0]]
+    assert q["decode_tps"] == 1.0 and q["decode_tps_vs_f16"] == 0.5  # medians: 4 steps in 4 s, f16's in 2 s
+    assert "timed 3 times after each prefill" in versus_md.to_markdown(
+        {"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
+
+
+@pytest.mark.slow
+def test_probe_repeats_keep_the_first_steps_logits(bin_dir, smollm2, text_file, tmp_path):
+    toks = decode.text_tokens(smollm2, text_file, 200)
+    tf = versus._tokens_file(tmp_path / "t.txt", toks)
+    cfg = versus.Config("ours", "f16", "f16")
+    got = {}
+    for rep in (1, 3):
+        out = tmp_path / f"l{rep}.f32"
+        cmd = versus._probe_cmd(builds.ours(), "decode", smollm2, 256, cfg, 2, "--tokens", str(tf), "--prefill", "160",
+                                "--steps", "16", "--logits", str(out), "--repeat", str(rep))
+        p = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        got[rep] = (np.fromfile(out, np.float32), versus._json_line(p.stdout)["decode_s_repeats"])
+    assert np.array_equal(got[1][0], got[3][0]) and len(got[1][1]) == 1
+    assert len(got[3][1]) == 3 and min(got[3][1]) > 0  # the state restored: each repeat decoded its 16 steps
 
 
 @pytest.mark.slow
