@@ -138,6 +138,10 @@ def speed(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, w
     """Per build and thread count: llama-bench over the build's own `baseline` quantisation of the F16 file first, then
     each variant's file (quality() made them), in interleaved rounds; ratios are to the baseline in the same round."""
     f16 = work / f"{src.stem}.F16.gguf"
+    missing = [v.label for v in variants if not (work / f"{v.file_label}.gguf").exists()]
+    if missing:  # refused before anything runs: a variant left out silently would look measured
+        raise VersusError(f"no quantised file in {work} for {', '.join(missing)}",
+                      fix="measure its quality first (that run makes the file), with the variant spelled as then")
     out = []
     for name in dict.fromkeys(v.build for v in variants):
         b = builds[name]
@@ -160,10 +164,12 @@ def speed(builds: dict[str, B.Build], variants: Sequence[WVariant], src: Path, w
     return out
 
 
-def merge_speed(old: list[dict], rows: list[dict], run: int, runs: Sequence[Sequence[str]] = ()) -> list[dict]:
+def merge_speed(old: list[dict], rows: list[dict], run: int, runs: Sequence[Sequence[str]] = (),
+                baseline: str = "Q4_K_M") -> list[dict]:
     """``rows`` (measured by ``runs[run]``) plus the rows of ``old`` this run did not measure again (same build,
     threads and variant): each row keeps its ratios to the baseline of its own run, and says which run that was (an
-    older row without one was measured by the last earlier run that measured speed)."""
+    older row without one was measured by the last earlier run that measured speed). A build's baseline row of an
+    earlier run stays while rows of that run do: every run measures its own."""
     def measured_speed(argv: Sequence[str]) -> bool:
         m = "quality,speed"  # the default
         for a, b in zip(argv, [*argv[1:], ""]):
@@ -172,7 +178,14 @@ def merge_speed(old: list[dict], rows: list[dict], run: int, runs: Sequence[Sequ
 
     before = next((i for i in range(run - 1, -1, -1) if i < len(runs) and measured_speed(runs[i])), None)
     new = {(r["build"], r["threads"], r["label"]) for r in rows}
-    kept = [{**r, "run": r.get("run", before)} for r in old if (r["build"], r["threads"], r["label"]) not in new]
+    old = [{**r, "run": r.get("run", before)} for r in old]
+
+    def is_base(r: dict) -> bool:
+        return r["label"] == f"{r['build']}:{baseline}"
+    used = {(r["build"], r["threads"], r["run"]) for r in old
+            if not is_base(r) and (r["build"], r["threads"], r["label"]) not in new}
+    kept = [r for r in old if (r["build"], r["threads"], r["label"]) not in new
+            or is_base(r) and (r["build"], r["threads"], r["run"]) in used]
     return kept + [{**r, "run": run} for r in rows]
 
 

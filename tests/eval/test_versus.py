@@ -342,14 +342,26 @@ def test_weight_speed_merge_keeps_other_variants_with_their_own_run():
             ["rq-eval", "versus-weights", "--measure=quality"], ["rq-eval", "versus-weights", "--measure", "speed"]]
     old = [row("ik:Q4_K_M"), row("ik:IQ3_KT+imat", tps=5.0), row("ik:Q4_K_M", threads=1)]
     merged = vw.merge_speed(old, [row("ik:Q4_K_M", tps=12.0), row("ik:IQ3_K mix", tps=11.0)], 3, runs)
-    by = {(r["label"], r["threads"]): r for r in merged}
-    assert len(merged) == 4
-    assert by[("ik:IQ3_KT+imat", 2)]["run"] == 1 and by[("ik:Q4_K_M", 1)]["run"] == 1  # the last earlier speed run
-    assert by[("ik:Q4_K_M", 2)]["run"] == 3 and by[("ik:Q4_K_M", 2)]["pp"]["median"] == 12.0
+    by = {(r["label"], r["threads"], r["run"]): r for r in merged}
+    assert len(merged) == 5
+    assert by[("ik:IQ3_KT+imat", 2, 1)] and by[("ik:Q4_K_M", 1, 1)]  # run 1: the last earlier run that measured speed
+    assert by[("ik:Q4_K_M", 2, 3)]["pp"]["median"] == 12.0
+    assert by[("ik:Q4_K_M", 2, 1)]["pp"]["median"] == 10.0  # IQ3_KT's baseline stays beside it
     md = vw.to_markdown({"model": "m", "calib_tokens": 4096, "ctx": 512, "chunks": 10, "quality": [], "speed": merged})
     assert "| run |" in md and "compare t/s within one run only" in md
     body = [x for x in md.splitlines() if x.startswith("| ik:")]
-    assert [x.rsplit("|", 2)[-2].strip() for x in body] == ["1", "1", "3", "3"]  # grouped by run
+    assert [x.rsplit("|", 2)[-2].strip() for x in body] == ["1", "1", "1", "3", "3"]  # grouped by run
+    # once no row of run 1 needs it, its baseline goes with the rows it measured
+    again = vw.merge_speed(merged, [row("ik:Q4_K_M"), row("ik:IQ3_KT+imat", tps=6.0)], 4, [*runs, runs[-1]])
+    assert not any(r["run"] == 1 and r["threads"] == 2 for r in again)
     one = vw.to_markdown({"model": "m", "calib_tokens": 4096, "ctx": 512, "chunks": 10, "quality": [],
                           "speed": vw.merge_speed([], [row("ik:Q4_K_M")], 0, runs[:1])})
     assert "| run |" not in one
+
+
+def test_weight_speed_refuses_a_variant_without_its_file_before_running(tmp_path):
+    from rotaryquant.eval import versus_weights as vw
+
+    v = [vw.parse_variant("ik:IQ3_K+imat --custom-q 'blk\\.1\\.ffn_down=q4_K'", ["ik"])]
+    with pytest.raises(versus.VersusError, match=r"no quantised file .* for ik:IQ3_K\+imat --custom-q"):
+        vw.speed({}, v, tmp_path / "m.gguf", tmp_path)  # no build is needed to refuse
