@@ -13,6 +13,7 @@ import hashlib
 import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +142,13 @@ def _commit(src: Path) -> str | None:
     return None
 
 
+def _fresh(folder: Path, prefix: str) -> Path:
+    """A new empty file of this caller's own in folder (unique across processes and threads)."""
+    fd, name = tempfile.mkstemp(prefix=prefix, suffix=".partial", dir=folder)
+    os.close(fd)
+    return Path(name)
+
+
 def probe(build: Build) -> Path:
     """rq-probe compiled for this build (cached by source, header and library content)."""
     h = hashlib.sha256(PROBE_SRC.read_bytes())
@@ -156,12 +164,15 @@ def probe(build: Build) -> Path:
            "-I", str(build.src / "include"), "-I", str(build.src / "ggml" / "include"),
            *(x for d in build.lib_dirs for x in ("-L", str(d), f"-Wl,-rpath,{d}")), "-lllama", "-lggml",
            *(["-lggml-base"] if any((d / "libggml-base.so").exists() for d in build.lib_dirs) else []),
-           "-o", str(out) + ".partial"]
+           "-o", str(tmp := _fresh(out.parent, "rq-probe."))]
+    # a file of this process's own, renamed whole: runs started together (needles in parallel) each compile, and
+    # none executes or replaces a file another is still writing
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
+        tmp.unlink(missing_ok=True)
         tail = "\n".join(r.stderr.strip().splitlines()[-12:])
         raise BuildError(f"rq-probe does not compile against build {build.name} ({build.src}):\n{tail}")
-    Path(str(out) + ".partial").replace(out)
+    tmp.replace(out)
     return out
 
 
