@@ -20,7 +20,7 @@ from rotaryquant import assets, bindings, data
 from rotaryquant.errors import RQError, run_cli
 from rotaryquant.eval import (ablation, cli_versus, convertspeed, decode, gate, isovariants, kvbench, kvmemory,
                               kvquality, niah, report, roofline, serve, servertests, weights, weightspeed)
-from rotaryquant.eval.cli_common import RESULTS, floats, ints, model_path, names, write
+from rotaryquant.eval.cli_common import RESULTS, floats, ints, model_path, names, result_file, write
 
 KV_TYPES = "q8_0,q4_0,isoquant3_0,q8_0/isoquant3_0"
 GEMMA = "GGUF (default: the embedded Gemma3-270M)"
@@ -86,7 +86,7 @@ def cmd_weights(ns: argparse.Namespace) -> None:
     out = ns.out or RESULTS / f"weights-{ns.mode}"
     merge = None
     if ns.merge:
-        prev = out.with_suffix(".json")
+        prev = result_file(out, ".json")
         if not prev.is_file():
             raise RQError(f"--merge: {prev} does not exist (run without --merge first)")
         try:
@@ -117,7 +117,7 @@ def cmd_roofline(ns: argparse.Namespace) -> None:
     res = roofline.run(model_path(ns, assets.ISO_MODEL), configs=configs, depths=ints(ns.depths, "--depths"),
                        n_gen=ns.n_gen, reps=ns.reps, threads=ns.threads)
     write(ns.out, res, roofline.to_markdown(res))
-    roofline.plot(res, ns.out.with_suffix(".png"))
+    roofline.plot(res, result_file(ns.out, ".png"))
 
 
 def cmd_niah(ns: argparse.Namespace) -> None:
@@ -153,8 +153,8 @@ def cmd_soak(ns: argparse.Namespace) -> None:
                      clients=ns.clients, threads=ns.threads, mixed=ns.mixed, disconnect_every=ns.disconnect_every,
                      extra=ns.server_arg)
     ns.out.parent.mkdir(parents=True, exist_ok=True)
-    ns.out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    ns.out.with_suffix(".md").write_text(serve.soak_markdown(res))
+    result_file(ns.out, ".json").write_text(json.dumps(res, indent=1))
+    result_file(ns.out, ".md").write_text(serve.soak_markdown(res))
     stalled = " (the server stalled)" if res["stalled"] else ""
     print(f"{res['requests']} requests, {res['dropped']} dropped by their clients, {res['malformed']} malformed"
           f"{stalled}, RSS growth {res['rss_growth_pct']}% (second half vs first half); afterwards "
@@ -165,7 +165,7 @@ def cmd_soak(ns: argparse.Namespace) -> None:
 
 def cmd_server_tests(ns: argparse.Namespace) -> None:
     if ns.render:
-        res = json.loads(ns.out.with_suffix(".json").read_text())
+        res = json.loads(result_file(ns.out, ".json").read_text())
     else:
         res = servertests.run(names(ns.configs), select=names(ns.files), slow=ns.slow, threads=ns.threads,
                               nice=ns.nice, keyword=ns.keyword, jobs=ns.jobs)

@@ -13,12 +13,18 @@ from rotaryquant.errors import RQError
 RESULTS = paths.REPO / "docs" / "results"
 
 
+def result_file(stem: Path, suffix: str) -> Path:
+    """STEM.json for -o STEM: a stem with a dot of its own (needles-d0.5) keeps it; a .json or .md given is the
+    stem's own suffix and is replaced."""
+    return stem.with_suffix(suffix) if stem.suffix in (".json", ".md") else stem.with_name(stem.name + suffix)
+
+
 def write(stem: Path, res: dict | list, md: str, *, echo: bool = True) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     for suffix, text in ((".json", json.dumps(res, indent=1)), (".md", md)):
-        tmp = stem.with_suffix(suffix + ".partial")
+        tmp = result_file(stem, suffix + ".partial")
         tmp.write_text(text)
-        tmp.replace(stem.with_suffix(suffix))
+        tmp.replace(result_file(stem, suffix))
     if echo:
         print(md)
 

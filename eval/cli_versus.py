@@ -13,7 +13,7 @@ from rotaryquant.errors import RQError
 from rotaryquant.eval import builds as builds_mod  # "builds" is the common word for the dicts here
 from rotaryquant.eval import niah, versus, versus_md, weights
 from rotaryquant.eval import versus_weights as vw
-from rotaryquant.eval.cli_common import floats, ints, model_path, names, write
+from rotaryquant.eval.cli_common import floats, ints, model_path, names, result_file, write
 
 
 def _builds(ns: argparse.Namespace) -> dict[str, builds_mod.Build]:
@@ -44,7 +44,7 @@ def cmd_versus(ns: argparse.Namespace) -> None:
                  "cpu": builds_mod.cpu()}
     text = data.evaluation_text()
 
-    old = json.loads(ns.out.with_suffix(".json").read_text()) if ns.merge and ns.out.with_suffix(".json").exists() \
+    old = json.loads(result_file(ns.out, ".json").read_text()) if ns.merge and result_file(ns.out, ".json").exists() \
         else {}
     if old and old.get("model") != model.name:
         raise RQError(f"--merge: {ns.out}.json is for {old.get('model')}, not {model.name}")
@@ -77,7 +77,7 @@ def cmd_versus_weights(ns: argparse.Namespace) -> None:
     variants = [vw.parse_variant(v, list(blds)) for v in ns.variant]
     if not variants:
         raise RQError("no --variant given", fix="add e.g. --variant 'ik:IQ3_KT+imat'")
-    out = ns.out.with_suffix(".json")
+    out = result_file(ns.out, ".json")
     res = json.loads(out.read_text()) if ns.merge and out.exists() else {}
     if res and res.get("model") != model.name:
         raise RQError(f"--merge: {out} is for {res.get('model')}, not {model.name}")
