@@ -12,6 +12,7 @@ import json
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -60,11 +61,18 @@ def file_info(path: Path, foreign: bool = False) -> FileInfo:
 def run_llama_bench(bench: Path, model: Path, *, n_prompt: int, n_gen: int, threads: int,
                     timeout: float) -> dict[str, float]:
     """One llama-bench repetition of one file: {"pp": t/s, "tg": t/s} (a test with 0 tokens is left out)."""
-    cmd = [str(bench), "-m", str(model), "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-t", str(threads),
-           "-o", "json"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
+    with tempfile.TemporaryDirectory(prefix="rq-bench-") as tmp:
+        path = model
+        if "," in str(model):  # llama-bench splits -m on commas (a mixture's --custom-q in the name): a link without
+            path = Path(tmp) / model.name.replace(",", "+")
+            path.symlink_to(model.resolve())
+        cmd = [str(bench), "-m", str(path), "-p", str(n_prompt), "-n", str(n_gen), "-r", "1", "-t", str(threads),
+               "-o", "json"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc = None
+    if proc is None:
         raise WeightSpeedError(f"llama-bench on {model.name} ran past {timeout:.0f} s") from None
     if proc.returncode != 0:
         raise WeightSpeedError(f"llama-bench failed on {model.name} (exit {proc.returncode}): {proc.stderr[-1500:]}")

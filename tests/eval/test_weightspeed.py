@@ -144,3 +144,18 @@ def test_bad_arguments():
         ws.measure([])
     with pytest.raises(ws.WeightSpeedError, match="rounds must be at least 1"):
         ws.measure([Path(os.devnull)], rounds=0)
+
+
+def test_a_file_name_with_a_comma_reaches_llama_bench_whole(tmp_path):
+    # llama-bench splits -m on commas; a mixture's file name holds its --custom-q ("blk\.[0-5]...,blk\.2[2-7]...")
+    from rotaryquant.eval import weightspeed as ws
+
+    model = tmp_path / "ik-IQ3_K_--custom-q_a-q4_K,b-q4_K.gguf"
+    model.write_bytes(b"GGUF")
+    bench = tmp_path / "llama-bench"
+    bench.write_text('#!/bin/sh\ncase "$2" in *,*) echo "split: $2" >&2; exit 1 ;; esac\n'
+                     '[ "$(cat "$2")" = GGUF ] || exit 2\n'
+                     'echo \'[{"n_gen": 0, "avg_ts": 50.0}, {"n_gen": 16, "avg_ts": 10.0}]\'\n')
+    bench.chmod(0o755)
+    got = ws.run_llama_bench(bench, model, n_prompt=32, n_gen=16, threads=1, timeout=60)
+    assert got == {"pp": 50.0, "tg": 10.0}
