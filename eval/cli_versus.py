@@ -44,13 +44,14 @@ def cmd_versus(ns: argparse.Namespace) -> None:
                  "cpu": builds_mod.cpu()}
     text = data.evaluation_text()
 
-    old = json.loads(result_file(ns.out, ".json").read_text()) if ns.merge and result_file(ns.out, ".json").exists() \
-        else {}
+    prev = result_file(ns.out, ".json")
+    old = json.loads(prev.read_text()) if ns.merge and prev.exists() else {}
     if old and old.get("model") != model.name:
         raise RQError(f"--merge: {ns.out}.json is for {old.get('model')}, not {model.name}")
 
     def save() -> None:  # after every measurement: a long unattended run keeps what it finished
-        write(ns.out, versus.merge(old, res), versus_md.to_markdown(versus.merge(old, res)), echo=False)
+        merged = versus.merge(old, res)
+        write(ns.out, merged, versus_md.to_markdown(merged), echo=False)
 
     for m in measures:
         if m == "kld":

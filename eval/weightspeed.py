@@ -71,9 +71,7 @@ def run_llama_bench(bench: Path, model: Path, *, n_prompt: int, n_gen: int, thre
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            proc = None
-    if proc is None:
-        raise WeightSpeedError(f"llama-bench on {model.name} ran past {timeout:.0f} s") from None
+            raise WeightSpeedError(f"llama-bench on {model.name} ran past {timeout:.0f} s") from None
     if proc.returncode != 0:
         raise WeightSpeedError(f"llama-bench failed on {model.name} (exit {proc.returncode}): {proc.stderr[-1500:]}")
     try:
