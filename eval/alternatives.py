@@ -53,7 +53,8 @@ def holds(cond: bool, verdict: str) -> str:
 
 def load(results: Path) -> dict[str, dict[str, dict]]:
     """model -> configuration label -> {"kld": row, "decode": {prefill: row}, "ttft": row, "niah": {ctx: [rows]},
-    "build": build description}. Later files (by name) override earlier ones row by row."""
+    "build": build description}. Later files (by name) override earlier ones row by row; every file's decode row is
+    also kept under "decode_runs": {prefill: {file name: row}} (speeds are set side by side within one run only)."""
     out: dict[str, dict[str, dict]] = {}
     for f in sorted(results.glob("versus-*.json")):
         if f.name.startswith("versus-weights"):
@@ -63,10 +64,11 @@ def load(results: Path) -> dict[str, dict[str, dict]]:
         for m in ("kld", "decode", "ttft", "niah"):
             for r in res.get(m) or []:
                 c = model.setdefault(r["config"], {"build": res["builds"].get(r["build"], {"name": r["build"]}),
-                                                   "decode": {}, "niah": {}, "files": set()})
+                                                   "decode": {}, "decode_runs": {}, "niah": {}, "files": set()})
                 c["files"].add(f.name)
                 if m == "decode":  # a prefill just under DEPTH (a model's 8K context less the decode steps) is its 8K row
-                    c["decode"][DEPTH if 0.95 * DEPTH <= r["prefill"] <= DEPTH else r["prefill"]] = {**r, "source": f.name}
+                    n = DEPTH if 0.95 * DEPTH <= r["prefill"] <= DEPTH else r["prefill"]
+                    c["decode"][n] = c["decode_runs"].setdefault(n, {})[f.name] = {**r, "source": f.name}
                 elif m == "niah":
                     c["niah"].setdefault(r["ctx"], []).append(r)
                 else:
@@ -367,6 +369,11 @@ KNOWN_SPEED_GAPS: dict[tuple[str, str], str] = {
 }
 
 
+def _run_row(c: dict | None, n: int, source: str) -> dict | None:
+    """A configuration's decode row after n tokens from one result file (one run)."""
+    return ((c or {}).get("decode_runs") or {}).get(n, {}).get(source)
+
+
 def _deep_cell(configs: dict, model: str, n: int, ours: dict, label: str, p: dict) -> tuple[str, bool, str | None]:
     """One peer's part of the long-prompt speed line: its text, whether it holds, the cause where it is behind."""
     if "error" in p or not p.get("decode_tps"):
@@ -374,11 +381,9 @@ def _deep_cell(configs: dict, model: str, n: int, ours: dict, label: str, p: dic
     text = f"{label} {p['decode_tps']:.1f} t/s ({p.get('decode_tps_vs_f16', 0):.2f}×)"
     if p["decode_tps"] <= ours["decode_tps"]:
         return text, True, None
-    theirs, mine = ((configs.get(f"{b}:f16") or {"decode": {}})["decode"].get(n) or {}
-                    for b in (label.split(":")[0], "ours"))
+    theirs, mine = (_run_row(configs.get(f"{b}:f16"), n, p["source"]) or {} for b in (label.split(":")[0], "ours"))
     why = KNOWN_SPEED_GAPS.get((model, label))
-    ok = (why is not None and p.get("source") == theirs.get("source") == mine.get("source")
-          and theirs.get("decode_tps", 0) > mine.get("decode_tps", float("inf"))
+    ok = (why is not None and theirs.get("decode_tps", 0) > mine.get("decode_tps", float("inf"))
           and ours.get("decode_tps_vs_f16", 0) >= p.get("decode_tps_vs_f16", float("inf")))
     return (f"{text}, behind: its f16 {theirs.get('decode_tps', 0):.1f} t/s against ours "
             f"{mine.get('decode_tps', 0):.1f}"), ok, why or "?"
@@ -390,18 +395,18 @@ def _deep_speed(data: dict) -> str | None:
     one file (one run, one machine state) are set side by side; each build's f16 ratio is printed beside it."""
     parts, causes, ok = [], set(), True
     for model, configs in data.items():
-        mine = configs.get(OURS) or {"decode": {}, "files": set()}
-        for n, r in sorted(mine["decode"].items()):
-            if n <= DEPTH or "error" in r or not r.get("decode_tps") or not r.get("source"):
+        runs = (configs.get(OURS) or {}).get("decode_runs") or {}
+        for n, src, r in sorted((n, src, r) for n, by in runs.items() for src, r in by.items()):
+            if n <= DEPTH or "error" in r or not r.get("decode_tps"):
                 continue
-            peers = [(label, c["decode"][n]) for label, c in _peers(configs) if within(bits(c)) and n in c["decode"]
-                     and c["decode"][n].get("source") == r["source"]]
+            peers = [(label, p) for label, c in _peers(configs) if within(bits(c)) and (p := _run_row(c, n, src))]
             if not peers:
                 continue
             cells = [_deep_cell(configs, model, n, r, label, p) for label, p in peers]
             ok &= all(c[1] for c in cells)
             causes |= {c[2] for c in cells if c[2]}
-            parts.append(f"{_short(model)} after {round(n / 1024)}K: ours {r['decode_tps']:.1f} t/s "
+            run = f" ({Path(src).stem})" if len(runs[n]) > 1 else ""  # several runs at this depth: each its own part
+            parts.append(f"{_short(model)} after {round(n / 1024)}K{run}: ours {r['decode_tps']:.1f} t/s "
                          f"({r.get('decode_tps_vs_f16', 0):.2f}× its f16); " + ", ".join(c[0] for c in cells))
     if not parts:
         return None

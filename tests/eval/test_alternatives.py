@@ -177,32 +177,42 @@ def test_weight_verdict_names_each_peer_type_and_refuses_an_unexplained_loss(tmp
 def test_deep_decode_speed_compares_rows_of_one_run_only(results):
     data = alt.load(results)
 
-    def row(label: str, tps: float | None, source: str = "versus-32k-gemma3.json") -> dict:
+    def put(label: str, tps: float | None, source: str = "versus-32k-gemma3.json", **extra) -> None:
         r = {"config": label, "prefill": 32704, "source": source}
-        return {**r, "error": "killed by signal 9"} if tps is None else {**r, "decode_tps": tps,
-                                                                           "decode_tps_vs_f16": tps / 20}
-    data[GEMMA]["ours:isoquant3_0"]["decode"][32704] = row("ours:isoquant3_0", 40.0)
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704] = row("ik:iq4_nl -khad -vhad", 30.0)
-    data[GEMMA]["stock:q4_0"]["decode"][32704] = row("stock:q4_0", None)
-    data[GEMMA]["stock:q8_0"]["decode"][32704] = row("stock:q8_0", 90.0)  # past the budget: not a rival
+        r = {**r, "error": "killed by signal 9"} if tps is None else {**r, "decode_tps": tps, "decode_tps_vs_f16": tps / 20}
+        c = data[GEMMA].setdefault(label, {"build": {"name": label.split(":")[0]}, "decode": {}, "niah": {},
+                                           "files": set()})
+        c["decode"][32704] = c.setdefault("decode_runs", {}).setdefault(32704, {})[source] = {**r, **extra}
+    put("ours:isoquant3_0", 40.0)
+    put("ik:iq4_nl -khad -vhad", 30.0)
+    put("stock:q4_0", None)
+    put("stock:q8_0", 90.0)  # past the budget: not a rival
     v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
     assert "Gemma3 after 32K: ours 40.0 t/s (2.00× its f16); " in v and "ik:iq4_nl -khad -vhad 30.0 t/s (1.50×)" in v
     assert "stock:q4_0 did not run (killed by signal 9)" in v and "q8_0" not in v
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["source"] = "another-run.json"  # another day: not compared
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps"] = 50.0
-    assert "iq4_nl" not in next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["source"] = "versus-32k-gemma3.json"  # same run, faster
-    with pytest.raises(alt.VerdictError, match="no longer holds"):  # and no f16 rows to say why
+    put("ik:iq4_nl -khad -vhad", 50.0, "another-run.json")  # another day, without ours: not compared
+    v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
+    assert "30.0 t/s" in v and "50.0" not in v
+    put("ours:isoquant3_0", 45.0, "another-run.json")  # ours in that run too: compared there, each run its own part
+    with pytest.raises(alt.VerdictError, match="no longer holds"):  # faster there, and no f16 rows to say why
         alt.verdicts(data)
-    # a known gap holds where the peer's own f16 is the faster one and ours gains more over its f16 (2.0x vs 1.5x)
-    for b, tps in (("ours", 20.0), ("ik", 33.0)):
-        data[GEMMA].setdefault(f"{b}:f16", {"build": {"name": b}, "decode": {}, "niah": {}, "files": set()})
-        data[GEMMA][f"{b}:f16"]["decode"][32704] = {**row(f"{b}:f16", tps), "decode_tps_vs_f16": 1.0}
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps_vs_f16"] = 1.5
+    put("ik:iq4_nl -khad -vhad", 40.0, "another-run.json")
+    v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
+    assert "Gemma3 after 32K (another-run): ours 45.0 t/s (2.25× its f16); ik:iq4_nl -khad -vhad 40.0 t/s" in v
+    assert "Gemma3 after 32K (versus-32k-gemma3): ours 40.0 t/s" in v
+    put("ik:iq4_nl -khad -vhad", 50.0)  # in our run, faster
+    with pytest.raises(alt.VerdictError, match="no longer holds"):
+        alt.verdicts(data)
+    # a known gap holds where the peer's own f16 is the faster one in the same run and ours gains more over its f16
+    # (2.0x vs 1.5x)
+    put("ik:f16", 33.0, decode_tps_vs_f16=1.0)
+    put("ours:f16", 20.0, decode_tps_vs_f16=1.0)
+    put("ik:iq4_nl -khad -vhad", 50.0, decode_tps_vs_f16=1.5)
+    put("ik:f16", 10.0, "another-run.json", decode_tps_vs_f16=1.0)  # another run's f16 rows do not count here
     v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
     assert "ik:iq4_nl -khad -vhad 50.0 t/s (1.50×), behind: its f16 33.0 t/s against ours 20.0" in v
     assert v.endswith(". Behind: " + alt.F16_PATH)
-    data[GEMMA]["ik:iq4_nl -khad -vhad"]["decode"][32704]["decode_tps_vs_f16"] = 2.5  # its cache gains more: refused
+    put("ik:iq4_nl -khad -vhad", 50.0, decode_tps_vs_f16=2.5)  # its cache gains more: refused
     with pytest.raises(alt.VerdictError):
         alt.verdicts(data)
 
