@@ -262,6 +262,10 @@ def test_merge_keeps_the_rows_a_run_did_not_redo():
     new = {"niah": [{"config": "a:x", "ctx": 32768, "seed": 42, "depth": 0.9, "found": 4},
                     {"config": "a:x", "ctx": 32768, "seed": 7, "depth": 0.1, "found": 5}]}
     assert [r["found"] for r in versus.merge(old, new)["niah"]] == [8, 4, 5]
+    # runs at different thread counts in one file: the header names both
+    assert versus.merge({**old, "threads": 2}, {**new, "threads": 1})["threads"] == "1 / 2"
+    assert versus.merge({**old, "threads": "1 / 2"}, {**new, "threads": 2})["threads"] == "1 / 2"
+    assert versus.merge({**old, "threads": 2}, {**new, "threads": 2})["threads"] == 2
 
 
 def test_environment_words_are_the_runs_environment_not_flags():
