@@ -492,9 +492,10 @@ def merge(old: dict, new: dict) -> dict:
         if kept or new.get(m):
             out[m] = kept + list(new.get(m) or [])
     out["runs"] = [*old.get("runs", []), *new.get("runs", [])]
-    counts = {*str(old.get("threads")).split(" / "), str(new.get("threads"))}
-    if "threads" in old and "threads" in new and len(counts) > 1:  # each run's command says which it used
-        out["threads"] = " / ".join(sorted(counts, key=int))
+    if "threads" in old and "threads" in new:  # runs at other thread counts: each run's command says which
+        counts = {*str(old["threads"]).split(" / "), str(new["threads"])}
+        if len(counts) > 1:
+            out["threads"] = " / ".join(sorted(counts, key=int))
     if any(len(out.get(m) or []) > len(new.get(m) or []) for m in MEASURES):  # rows of an earlier run kept
         out["cpu_mixed"] = old.get("cpu") != new.get("cpu") or bool(old.get("cpu_mixed"))  # from another CPU
     return out
