@@ -54,7 +54,8 @@ def holds(cond: bool, verdict: str) -> str:
 def load(results: Path) -> dict[str, dict[str, dict]]:
     """model -> configuration label -> {"kld": row, "decode": {prefill: row}, "ttft": row, "niah": {ctx: [rows]},
     "build": build description}. Later files (by name) override earlier ones row by row; every file's decode row is
-    also kept under "decode_runs": {prefill: {file name: row}} (speeds are set side by side within one run only)."""
+    also kept under "decode_runs": {prefill: {source: row}} (speeds are set side by side within one run only), the
+    source a file name, with "#independent" for its rows of a cache filled call by call."""
     out: dict[str, dict[str, dict]] = {}
     for f in sorted(results.glob("versus-*.json")):
         if f.name.startswith("versus-weights"):
@@ -68,7 +69,12 @@ def load(results: Path) -> dict[str, dict[str, dict]]:
                 c["files"].add(f.name)
                 if m == "decode":  # a prefill just under DEPTH (a model's 8K context less the decode steps) is its 8K row
                     n = DEPTH if 0.95 * DEPTH <= r["prefill"] <= DEPTH else r["prefill"]
-                    c["decode"][n] = c["decode_runs"].setdefault(n, {})[f.name] = {**r, "source": f.name}
+                    # a cache filled call by call (fill "independent") has a row of its own in that run; it stands
+                    # for its configuration's speed at that depth only where no prompt-filled row does
+                    src = f.name + (f"#{r['fill']}" if r.get("fill") else "")
+                    row = c["decode_runs"].setdefault(n, {})[src] = {**r, "source": src}
+                    if "fill" not in row or "fill" in c["decode"].get(n, {"fill": None}):
+                        c["decode"][n] = row
                 elif m == "niah":
                     c["niah"].setdefault(r["ctx"], []).append(r)
                 else:
@@ -136,8 +142,9 @@ def model_table(model: str, configs: dict[str, dict]) -> list[str]:
                f"| {_cell_decode(c, DEPTH, 'kld_mean', 4)} | {_cell_decode(c, DEPTH, 'kld_p99', 3)} "
                f"| {_cell_decode(c, DEPTH, 'prefill_tps_vs_f16')} | {_cell_decode(c, DEPTH, 'decode_tps_vs_f16')} "
                f"| {_cell_decode(c, DEPTH, 'decode_tps', 1)} | {tt} | {needles(c, 8192)} | {needles(c, 16384)} |")
-        row += "".join(f" {_cell_decode(c, n, 'kld_mean', 4)} | {_cell_decode(c, n, 'decode_tps', 2)} "
-                       f"| {_f(attention_slope(c, n), 3)} |" for n in depths)
+        row += "".join(f" {_cell_decode(c, n, 'kld_mean', 4)} | {_cell_decode(c, n, 'decode_tps', 2)}"
+                       f"{' ⁱ' if 'fill' in c['decode'][n] else ''} | {_f(attention_slope(c, n), 3)} |"
+                       if n in c["decode"] else " – | – | – |" for n in depths)
         lines.append(row)
     return lines
 
@@ -186,6 +193,23 @@ def kernels_note(results: Path) -> str:
             + "; ".join(f"{k}: {', '.join(v)}" for k, v in kinds.items()) + ".")
 
 
+def fill_note(data: dict) -> list[str]:
+    """The footnote of rows whose cache was filled call by call: what that fill changes, from the configurations a run
+    measured both ways (decode t/s over the prompt-filled row's, same file)."""
+    marked = [(m, n) for m, cs in data.items() for c in cs.values() for n, r in c["decode"].items() if "fill" in r]
+    if not marked:
+        return []
+    pairs = [f"{_short(m)} {label} at {round(n / 1024)}K {r['decode_tps'] / p['decode_tps']:.2f}×"
+             for m, cs in data.items() for label, c in cs.items() for n, by in (c.get("decode_runs") or {}).items()
+             for src, r in by.items() if "#" in src and r.get("decode_tps")
+             and (p := by.get(src.split("#")[0])) and p.get("decode_tps")]
+    return [("ⁱ decode t/s after a cache filled call by call (`rq-eval versus --fill independent`): each 512-token "
+             "call of the prompt attends only to itself, so the steps see the same cells at the same positions "
+             "without the prompt's hours of attention; the values cached differ, so no KLD. "
+             + ("Decode t/s so filled over the same configuration's prompt-filled run, both in one run: "
+                + ", ".join(pairs) + "." if pairs else "Not yet checked against a prompt-filled run.")), ""]
+
+
 def report_section(results: Path) -> list[str]:
     """REPORT.md's "Against the alternatives": every configuration of every model, the builds, what their logs said,
     the runs that did not complete, the verdicts."""
@@ -206,6 +230,7 @@ def report_section(results: Path) -> list[str]:
         lines += model_table(model, configs) + [""]
         for c in configs.values():
             builds.setdefault(c["build"]["name"], c["build"])
+    lines += fill_note(data)
     gaps = sorted({(m, measure) for m, _, measure in KNOWN_GAPS if m in data})
     if gaps:
         lines += ["³ a peer row below our default's KLD: " + "; ".join(
@@ -389,6 +414,11 @@ def _deep_cell(configs: dict, model: str, n: int, ours: dict, label: str, p: dic
             f"{mine.get('decode_tps', 0):.1f}"), ok, why or "?"
 
 
+def _src_label(src: str) -> str:
+    name, _, fill = src.partition("#")
+    return Path(name).stem + (f", {fill} fill" if fill else "")
+
+
 def _deep_speed(data: dict) -> str | None:
     """Decode after the deepest prompts (past DEPTH): ours (defaults) at least as many t/s as every peer cache at
     <= BUDGET bits, but for KNOWN_SPEED_GAPS, checked as that table says. Absolute t/s, not ratios, so only rows from
@@ -405,7 +435,7 @@ def _deep_speed(data: dict) -> str | None:
             cells = [_deep_cell(configs, model, n, r, label, p) for label, p in peers]
             ok &= all(c[1] for c in cells)
             causes |= {c[2] for c in cells if c[2]}
-            run = f" ({Path(src).stem})" if len(runs[n]) > 1 else ""  # several runs at this depth: each its own part
+            run = f" ({_src_label(src)})" if len(runs[n]) > 1 else ""  # several runs at this depth: each its own part
             parts.append(f"{_short(model)} after {round(n / 1024)}K{run}: ours {r['decode_tps']:.1f} t/s "
                          f"({r.get('decode_tps_vs_f16', 0):.2f}× its f16); " + ", ".join(c[0] for c in cells))
     if not parts:

@@ -58,7 +58,8 @@ def cmd_versus(ns: argparse.Namespace) -> None:
             res["kld"] = versus.kld(blds, configs, model, text, ctx=ns.ctx, chunks=ns.chunks, threads=ns.threads)
         elif m == "decode":
             res["decode"] = versus.decode(blds, configs, model, text, prefill=ns.prefill, steps=ns.tokens,
-                                          rounds=ns.rounds, repeats=ns.repeat, threads=ns.threads)
+                                          rounds=ns.rounds, repeats=ns.repeat, threads=ns.threads,
+                                          fills=names(ns.fill))
         elif m == "ttft":
             res["ttft"] = versus.ttft(blds, configs, model, text, rounds=max(ns.rounds, 3), threads=ns.threads)
         else:
@@ -124,6 +125,11 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
     vs.add_argument("--repeat", type=int, default=1,
                     help="decode: time the steps this many times after each prefill, from a saved copy of the state "
                          "(median): more samples at a depth whose prefill takes minutes")
+    vs.add_argument("--fill", default="prompt",
+                    help="decode: how the cache is filled before the steps, comma-separated, each configuration once "
+                         "per fill: prompt (evaluate it); independent (each 512-token call attends only to itself: "
+                         "the same cells and positions in minutes where a CPU path takes hours over a 32K prompt; "
+                         "speeds only, no KLD)")
     vs.add_argument("--niah-ctx", default="8192,16384", help="niah: contexts")
     vs.add_argument("--depths", default="0.1,0.5,0.9", help="niah: needle depths")
     vs.add_argument("--seeds", default="42", help="niah: seeds")

@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +48,7 @@ from rotaryquant.gguf_io import read_header
 BASE = "f16"
 MEASURES = ("kld", "decode", "ttft", "niah")
 TIMEOUT = 4 * 3600  # seconds one program may run before its row records a timeout (rq-eval versus --timeout)
+_T = TypeVar("_T")
 
 
 class VersusError(RQError):
@@ -270,7 +272,7 @@ def kld(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text
     return rows
 
 
-def _rounds_order(configs: list[Config], rounds: int) -> list[tuple[int, Config]]:
+def _rounds_order(configs: list[_T], rounds: int) -> list[tuple[int, _T]]:
     """ABBA: every configuration once per round, every other round in reverse order."""
     return [(r, c) for r in range(rounds) for c in (configs if r % 2 == 0 else configs[::-1])]
 
@@ -280,67 +282,90 @@ def _tokens_file(path: Path, toks: Sequence[int]) -> Path:
     return path
 
 
+FILLS = ("prompt", "independent")
+
+
 def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, text: Path, *, prefill: int,
-           steps: int = 64, rounds: int = 1, repeats: int = 1, threads: int = 2,
+           steps: int = 64, rounds: int = 1, repeats: int = 1, threads: int = 2, fills: Sequence[str] = ("prompt",),
            progress: Progress = print) -> list[dict]:
     """Prefill `prefill` tokens, teacher-force `steps`: per-step KLD against the build's F16, speeds in rounds; in
     each round the steps are timed `repeats` times from a saved copy of the state (a round's decode time is their
-    median: samples at a depth whose prefill takes minutes, for seconds each)."""
+    median: samples at a depth whose prefill takes minutes, for seconds each).
+
+    `fills`: how the cache is filled before the steps, each configuration once per fill. "prompt" evaluates the
+    prompt; "independent" evaluates each 512-token call of it on its own (rq-probe --fill independent): the same
+    cells at the same positions for the steps, without the prompt's quadratic attention (a CPU path that takes
+    hours over a 32K prompt takes minutes). The values cached then differ from a prompt's, so those rows have
+    speeds only, no KLD: set beside the same configuration's "prompt" row, they show what the fill changes."""
     if rounds < 1 or steps < 1 or prefill < 2 or repeats < 1:
         raise VersusError("decode needs a prefill of at least 2 tokens, at least 1 step, 1 round and 1 repeat")
+    bad = [f for f in fills if f not in FILLS]
+    if bad or not fills:
+        raise VersusError(f"unknown fill {', '.join(bad) or '(none)'}; known: {', '.join(FILLS)}")
+    for f in fills:
+        lacking = sorted({c.build for c in configs if f == "independent" and "RQ_PROBE_SEQ" not in
+                          builds[c.build].features})
+        if lacking:
+            raise VersusError(f"--fill independent needs llama_memory_seq_cp and kv_unified in llama.h, which "
+                              f"{', '.join(lacking)} lack")
     toks = dec.text_tokens(model, text, prefill + steps + 1)
     targets = np.asarray(toks[prefill:prefill + steps + 1])
     n_ctx = -(-(prefill + steps) // 256) * 256
     shape = kv_shape(model)
-    order = with_baselines(configs)
-    secs: dict[Config, list[tuple[float, float]]] = {c: [] for c in order}
-    reps: dict[Config, list[list[float]]] = {c: [] for c in order}
-    first: dict[Config, dict] = {}
+    order = [(c, f) for f in dict.fromkeys(fills) for c in with_baselines(configs)]
+    secs: dict[tuple[Config, str], list[tuple[float, float]]] = {k: [] for k in order}
+    reps: dict[tuple[Config, str], list[list[float]]] = {k: [] for k in order}
+    first: dict[tuple[Config, str], dict] = {}
     with tempfile.TemporaryDirectory(prefix="rq-versus-") as tmp:
         tok_file = _tokens_file(Path(tmp) / "tokens.txt", toks)
-        for rnd, cfg in _rounds_order(order, rounds):
-            if cfg in first and "error" in first[cfg]:
+        for rnd, (cfg, fill) in _rounds_order(order, rounds):
+            if (cfg, fill) in first and "error" in first[cfg, fill]:
                 continue
             progress(f"[rq-eval versus] decode {prefill}+{steps}: {cfg.label}"
+                     + (f" ({fill} fill)" if fill != "prompt" else "")
                      + (f" (round {rnd + 1}/{rounds})" if rounds > 1 else ""))
+            scored = rnd == 0 and fill == "prompt"
             logits = Path(tmp) / f"{len(first)}.f32"
             cmd = _probe_cmd(builds[cfg.build], "decode", model, n_ctx, cfg, threads, "--tokens", str(tok_file),
                              "--prefill", str(prefill), "--steps", str(steps),
+                             *(["--fill", fill] if fill != "prompt" else []),
                              *(["--repeat", str(repeats)] if repeats > 1 else []),
-                             *(["--logits", str(logits)] if rnd == 0 else []))
+                             *(["--logits", str(logits)] if scored else []))
             rc, out, err, _ = _run(cmd, env=cfg.env())
             if rnd == 0:
-                first[cfg] = {"command": _cmdline(cfg, cmd), **kv_bits(out + err, shape)}
+                first[cfg, fill] = {"command": _cmdline(cfg, cmd), **kv_bits(out + err, shape)}
             if rc != 0:
-                first[cfg].update(_failure(rc, out + err))
-                progress(f"[rq-eval versus]   failed: {first[cfg]['error']}: {first[cfg]['log_tail'][-1:]}")
+                first[cfg, fill].update(_failure(rc, out + err))
+                progress(f"[rq-eval versus]   failed: {first[cfg, fill]['error']}: "
+                         f"{first[cfg, fill]['log_tail'][-1:]}")
                 continue
             t = _json_line(out)
-            reps[cfg].append(t.get("decode_s_repeats") or [t["decode_s"]])
-            secs[cfg].append((t["prefill_s"], statistics.median(reps[cfg][-1])))
-            if rnd == 0:
-                first[cfg]["logits"] = logits
-                first[cfg]["n_vocab"] = t["n_vocab"]
+            reps[cfg, fill].append(t.get("decode_s_repeats") or [t["decode_s"]])
+            secs[cfg, fill].append((t["prefill_s"], statistics.median(reps[cfg, fill][-1])))
+            if scored:
+                first[cfg, fill]["logits"] = logits
+                first[cfg, fill]["n_vocab"] = t["n_vocab"]
             progress(f"[rq-eval versus]   prefill {prefill / t['prefill_s']:.1f} t/s, decode "
-                     + ", ".join(f"{steps / d:.2f}" for d in reps[cfg][-1]) + " t/s")
+                     + ", ".join(f"{steps / d:.2f}" for d in reps[cfg, fill][-1]) + " t/s")
         rows = []
-        for cfg in order:
-            f = first[cfg]
+        for cfg, fill in order:
+            f = first[cfg, fill]
             row = {"config": cfg.label, "build": cfg.build, "cache": cfg.cache, "flags": list(cfg.flags),
-                   "prefill": prefill, "steps": steps, **{k: v for k, v in f.items() if k not in ("logits", "n_vocab")}}
-            base = first[Config(cfg.build, BASE, BASE)]
-            if "error" not in f and "logits" in base:
+                   "prefill": prefill, "steps": steps, **({"fill": fill} if fill != "prompt" else {}),
+                   **{k: v for k, v in f.items() if k not in ("logits", "n_vocab")}}
+            base = first[Config(cfg.build, BASE, BASE), fill]
+            if "logits" in f and "logits" in base:
                 shape2 = (steps + 1, f["n_vocab"])
                 s = dec.score(np.fromfile(base["logits"], np.float32).reshape(shape2),
                               np.fromfile(f["logits"], np.float32).reshape(shape2), targets)
                 row.update({k: s[k] for k in ("kld_mean", "kld_p99", "kld_max", "same_top1_pct", "kld_steps")})
-            if secs[cfg]:
-                row["prefill_tps_rounds"] = [round(prefill / p, 2) for p, _ in secs[cfg]]
-                row["decode_tps_rounds"] = [round(steps / d, 3) for _, d in secs[cfg]]
+            if secs[cfg, fill]:
+                row["prefill_tps_rounds"] = [round(prefill / p, 2) for p, _ in secs[cfg, fill]]
+                row["decode_tps_rounds"] = [round(steps / d, 3) for _, d in secs[cfg, fill]]
                 row["prefill_tps"] = round(statistics.median(row["prefill_tps_rounds"]), 2)
                 row["decode_tps"] = round(statistics.median(row["decode_tps_rounds"]), 3)
                 if repeats > 1:
-                    row["decode_tps_repeats"] = [[round(steps / d, 3) for d in r] for r in reps[cfg]]
+                    row["decode_tps_repeats"] = [[round(steps / d, 3) for d in r] for r in reps[cfg, fill]]
             rows.append(row)
     _ratios(rows, ("prefill_tps", "decode_tps"))
     return rows
@@ -348,9 +373,9 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
 
 def _ratios(rows: list[dict], keys: Sequence[str]) -> None:
     """Each row's speeds over its own build's F16 row: the medians' ratio, and each round's."""
-    base = {r["build"]: r for r in rows if r["cache"] == BASE and not r["flags"]}
+    base = {(r["build"], r.get("fill")): r for r in rows if r["cache"] == BASE and not r["flags"]}
     for r in rows:
-        b = base.get(r["build"])
+        b = base.get((r["build"], r.get("fill")))
         for k in keys:
             if b is None or not r.get(k) or not b.get(k):
                 continue
@@ -483,7 +508,7 @@ def merge(old: dict, new: dict) -> dict:
         return new
 
     def key(r: dict) -> tuple:
-        return r["config"], r.get("ctx"), r.get("seed"), r.get("depth")
+        return r["config"], r.get("ctx"), r.get("seed"), r.get("depth"), r.get("fill")
 
     out = {**new, "builds": {**old.get("builds", {}), **new.get("builds", {})}}
     for m in MEASURES:

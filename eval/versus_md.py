@@ -62,7 +62,8 @@ def _columns(rows: list[dict], cols: Sequence[tuple[str, str, int]]) -> list[str
     for r in rows:
         cells = ([f"did not run ({r['error']})"] + [""] * (len(cols) - 1) if "error" in r
                  else [_f(r.get(k), nd) for _, k, nd in cols])
-        out.append(f"| {r['config']} | {_bits(r)} | " + " | ".join(cells) + " |")
+        label = r["config"] + (f" ({r['fill']} fill)" if r.get("fill") else "")
+        out.append(f"| {label} | {_bits(r)} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -76,11 +77,16 @@ def _title_decode(res: dict) -> str:
     rounds = len(next((x["decode_tps_rounds"] for x in res["decode"] if x.get("decode_tps_rounds")), [0]))
     reps = max((len(x) for r in res["decode"] for x in r.get("decode_tps_repeats") or []), default=1)
     again = f", the steps timed {reps} times after each prefill (state restored)" if reps > 1 else ""
+    fill = (". Rows marked independent fill: each 512-token call of the prompt attended only to itself (rq-probe "
+            "--fill independent; the same cells and positions for the steps, other values: speeds only, and their "
+            "prefill t/s are not a prompt's)" if any(x.get("fill") for x in res["decode"]) else "")
     return (f"### Decode after a {r['prefill']}-token prompt: rq-probe, {r['steps']} teacher-forced steps; speeds are "
-            f"medians of {rounds} interleaved round(s){again}, ratios over the same build's F16")
+            f"medians of {rounds} interleaved round(s){again}, ratios over the same build's F16{fill}")
 
 
 def _rows_decode(rows: list[dict]) -> list[str]:
+    # a call-by-call fill's rate is not a prompt's prefill rate: not shown
+    rows = [{k: v for k, v in r.items() if not (r.get("fill") and k.startswith("prefill_tps"))} for r in rows]
     return _columns(rows, [("decode KLD", "kld_mean", 5), ("p99", "kld_p99", 4), ("same top-1 %", "same_top1_pct", 1),
                            ("prefill t/s", "prefill_tps", 1), ("× f16", "prefill_tps_vs_f16", 2),
                            ("decode t/s", "decode_tps", 2), ("× f16", "decode_tps_vs_f16", 2)])

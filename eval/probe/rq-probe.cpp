@@ -11,6 +11,7 @@
 //   RQ_PROBE_RQ       ours: kv_window, k_center, kv_deferred, kv_layer_types, iso_unfused
 //   RQ_PROBE_SWA_FULL llama_context_params.swa_full: set false, as the build's own tools do (common's default)
 //   RQ_PROBE_KSTATS   ours: k_stats_path (--k-stats PATH keeps measured K statistics there; without it, not kept)
+//   RQ_PROBE_SEQ      llama_memory_seq_cp / _rm and kv_unified: --fill independent
 // Flags not compiled in are refused by name, so a config never runs as something else.
 // The build's own log goes to stderr (the KV cache size lines are read from it); one JSON line of
 // timings goes to stdout.
@@ -65,7 +66,7 @@ struct opts {
     std::string mode, model, tokens, out, questions;
     int n_ctx = 0, threads = 2, prefill = 0, steps = 0, answer = 12, repeat = 1;
     std::string ctk = "f16", ctv = "f16";
-    bool fa = true, khad = false, vhad = false;
+    bool fa = true, khad = false, vhad = false, independent = false;
     bool rq_no_k_center = false, rq_deferred = false, rq_unfused = false;
     int rq_window = -1;
     std::string rq_layer_types, rq_k_stats;
@@ -75,6 +76,10 @@ static void usage() {
     fprintf(stderr,
         "usage: rq-probe decode -m MODEL --tokens FILE --prefill N --steps M [--logits OUT] [--repeat R] [context flags]\n"
         "       (--repeat R: the M steps timed R times after one prefill, the state restored before each)\n"
+#ifdef RQ_PROBE_SEQ
+        "       (--fill independent: each 512-token call of the prompt attends only to itself, in a sequence of its\n"
+        "        own, then joins the decode's: the same cells and positions without the prompt's quadratic attention)\n"
+#endif
         "       rq-probe niah   -m MODEL --tokens FILE --questions FILE [--answer K] [context flags]\n"
         "context flags: -c N_CTX -t THREADS -ctk TYPE -ctv TYPE -fa on|off"
 #ifdef RQ_PROBE_HAD
@@ -128,6 +133,13 @@ static opts parse(int argc, char ** argv) {
 #ifdef RQ_PROBE_KSTATS
         else if (a == "--k-stats") o.rq_k_stats = val();
 #endif
+#ifdef RQ_PROBE_SEQ
+        else if (a == "--fill") {
+            std::string v = val();
+            if (v != "prompt" && v != "independent") die("--fill takes prompt or independent, not " + v);
+            o.independent = v == "independent";
+        }
+#endif
         else die("unknown flag for this build: " + a);
     }
     if (o.model.empty() || o.tokens.empty() || o.n_ctx <= 0) usage();
@@ -153,6 +165,34 @@ static void eval(llama_context * ctx, std::vector<llama_token> & toks, size_t at
     }
 }
 
+#ifdef RQ_PROBE_SEQ
+// the prompt's cells without its quadratic attention: each call evaluated in sequence 1 (empty before it, starting
+// at its own positions), then handed to sequence 0 and dropped from 1, so a call attends only to its own tokens
+// (the other cells are masked, and ggml's CPU attention skips masked keys). The decode steps that follow see the
+// same number of cells at the same positions as after the prompt; the values in them differ.
+static void eval_independent(llama_context * ctx, std::vector<llama_token> & toks, int n) {
+    llama_memory_t mem = llama_get_memory(ctx);
+    llama_batch b = llama_batch_init(512, 0, 1);
+    for (int done = 0; done < n;) {
+        int k = std::min(512, n - done);
+        if (n - done - k == 1) k--;
+        b.n_tokens = k;
+        for (int i = 0; i < k; i++) {
+            b.token[i] = toks[done + i];
+            b.pos[i] = done + i;
+            b.n_seq_id[i] = 1;
+            b.seq_id[i][0] = 1;
+            b.logits[i] = i == k - 1;
+        }
+        if (llama_decode(ctx, b) != 0) die("llama_decode failed");
+        llama_memory_seq_cp(mem, 1, 0, -1, -1);
+        llama_memory_seq_rm(mem, 1, -1, -1);
+        done += k;
+    }
+    llama_batch_free(b);
+}
+#endif
+
 static llama_token argmax(const float * p, int n) {
     return (llama_token) (std::max_element(p, p + n) - p);
 }
@@ -170,7 +210,10 @@ int main(int argc, char ** argv) {
     llama_context_params cp = llama_context_default_params();
     cp.n_ctx = o.n_ctx;
     cp.n_batch = cp.n_ubatch = 512;
-    cp.n_seq_max = 1;
+    cp.n_seq_max = o.independent ? 2 : 1;
+#ifdef RQ_PROBE_SEQ
+    cp.kv_unified = o.independent;  // both sequences in one stream: a copy between them is a tag, not a move
+#endif
     cp.n_threads = cp.n_threads_batch = o.threads;
     cp.type_k = type_by_name(o.ctk);
     cp.type_v = type_by_name(o.ctv);
@@ -214,6 +257,10 @@ int main(int argc, char ** argv) {
         FILE * lf = o.out.empty() ? nullptr : fopen(o.out.c_str(), "wb");
         if (!o.out.empty() && !lf) die("cannot write " + o.out);
         t0 = std::chrono::steady_clock::now();
+#ifdef RQ_PROBE_SEQ
+        if (o.independent) eval_independent(ctx, toks, o.prefill);
+        else
+#endif
         eval(ctx, toks, 0, o.prefill, 0);
         double prefill_s = since(t0);
         double first_s = since(t_main);

@@ -217,6 +217,38 @@ def test_deep_decode_speed_compares_rows_of_one_run_only(results):
         alt.verdicts(data)
 
 
+def test_a_cache_filled_call_by_call_is_its_own_run_and_marked(results):
+    def dec(config: str, tps: float, fill: str | None = None) -> dict:
+        return {"config": config, "build": config.split(":")[0], "prefill": 32704, "decode_tps": tps,
+                "decode_tps_vs_f16": tps / 20, **({"fill": fill} if fill else {})}
+    ik = "ik:iq4_nl -khad -vhad"
+    _write(results, "versus-32k-a.json", {"decode": [dec("ours:isoquant3_0", 40.0), dec("stock:q4_0", 15.0)]})
+    _write(results, "versus-32k-b.json", {"decode": [dec("ours:isoquant3_0", 38.0, "independent"),
+                                                      dec("ours:isoquant3_0", 36.0), dec(ik, 30.0, "independent"),
+                                                      dec("stock:q4_0", 14.0, "independent")]})
+    data = alt.load(results)
+    ours, stock, peer = (data[GEMMA][x]["decode"][32704] for x in ("ours:isoquant3_0", "stock:q4_0", ik))
+    # a prompt-filled row stands for its configuration before an independent one, whichever file is later
+    assert ours["decode_tps"] == 36.0 and stock["decode_tps"] == 15.0 and "fill" not in stock
+    assert peer["decode_tps"] == 30.0 and peer["fill"] == "independent"  # where no prompt-filled row is
+    assert set(data[GEMMA]["ours:isoquant3_0"]["decode_runs"][32704]) == {
+        "versus-32k-a.json", "versus-32k-b.json", "versus-32k-b.json#independent"}
+    v = next(x for x in alt.verdicts(data) if "decode after a long prompt" in x)
+    # each peer against ours in the same fill of the same run
+    assert "Gemma3 after 32K (versus-32k-a): ours 40.0 t/s (2.00× its f16); stock:q4_0 15.0 t/s" in v
+    assert ("Gemma3 after 32K (versus-32k-b, independent fill): ours 38.0 t/s (1.90× its f16); "
+            f"stock:q4_0 14.0 t/s (0.70×), {ik} 30.0 t/s (1.50×)") in v
+    table = "\n".join(alt.model_table(GEMMA, data[GEMMA]))
+    assert "| 30.00 ⁱ |" in table and "| 36.00 |" in table and "| 15.00 |" in table
+    note = " ".join(alt.fill_note(data))
+    assert note.startswith("ⁱ decode t/s after a cache filled call by call")
+    assert "Gemma3 ours:isoquant3_0 at 32K 1.06×" in note  # 38 over 36, the same run's prompt-filled row
+    _write(results, "versus-32k-b.json", {"decode": [dec("ours:isoquant3_0", 38.0, "independent"),
+                                                      dec(ik, 40.0, "independent")]})
+    with pytest.raises(alt.VerdictError, match="no longer holds"):  # faster than ours within the same fill
+        alt.verdicts(alt.load(results))
+
+
 def test_the_kernels_note_names_each_files_cpu(results):
     note = alt.kernels_note(results)
     assert "CPU not recorded (runs before it was: the machine varied by day, with and without AVX-512): " \

@@ -190,6 +190,63 @@ def test_decode_repeats_time_the_steps_again_and_take_their_median(bin_dir, smol
         {"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
 
 
+def test_decode_fills_run_each_configuration_once_per_fill(bin_dir, smollm2, text_file, monkeypatch):
+    calls: list[list[str]] = []
+
+    def fake_run(cmd, timeout=None, env=None):
+        calls.append(cmd)
+        if "--logits" in cmd:
+            np.zeros((5, 1 << 16), np.float32).tofile(cmd[cmd.index("--logits") + 1])
+        x = (2.0 if "q8_0" in cmd else 1.0) * (3.0 if "independent" in cmd else 1.0)
+        return 0, json.dumps({"prefill_s": 1.0, "decode_s": 4 * x, "n_vocab": 1 << 16}), "", 0.1
+    monkeypatch.setattr(versus, "_probe_cmd", lambda b, mode, model, ctx, cfg, t, *extra: ["rq-probe", *cfg.args(),
+                                                                                           *extra])
+    monkeypatch.setattr(versus, "_run", fake_run)
+    ours = builds.ours()
+    cfgs = [versus.Config("ours", "q8_0", "q8_0")]
+    rows = versus.decode({"ours": ours}, cfgs, smollm2, text_file, prefill=8, steps=4,
+                         fills=("prompt", "independent"), progress=lambda _: None)
+    assert [(r["cache"], r.get("fill")) for r in rows] == [("f16", None), ("q8_0", None), ("f16", "independent"),
+                                                           ("q8_0", "independent")]
+    indep = [c for c in calls if "independent" in c]
+    assert len(calls) == 4 and len(indep) == 2 and not any("--logits" in c for c in indep)
+    q, qi = rows[1], rows[3]
+    assert q["kld_mean"] == 0.0 and "kld_mean" not in qi  # an independent fill caches other values: speed only
+    assert qi["decode_tps"] == 0.167 and qi["decode_tps_vs_f16"] == pytest.approx(0.5, abs=0.01)  # over the independent f16's 4 steps in 12 s
+    md = versus_md.to_markdown({"model": "m", "text": "t", "threads": 2, "builds": {}, "decode": rows})
+    assert "| ours:q8_0 (independent fill) | – | – | – | – | – | – | 0.17 | 0.50 |" in md
+    assert "Rows marked independent fill: each 512-token call" in md
+    with pytest.raises(versus.VersusError, match="unknown fill sideways"):
+        versus.decode({"ours": ours}, cfgs, smollm2, text_file, prefill=8, steps=4, fills=("sideways",))
+    calls.clear()
+    old = builds.Build("old", ours.bin_dir, ours.src, ours.lib_dirs, None, ours.features - {"RQ_PROBE_SEQ"})
+    with pytest.raises(versus.VersusError, match="llama_memory_seq_cp and kv_unified .* old lack"):
+        versus.decode({"old": old}, [versus.Config("old", "q8_0", "q8_0")], smollm2, text_file, prefill=8, steps=4,
+                      fills=("independent",))
+    assert not calls  # refused before anything ran
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache", ["f16", "isoquant3_0"])
+def test_probe_independent_fill_hands_its_cells_to_the_decode(bin_dir, smollm2, text_file, tmp_path, cache):
+    """One call's prompt filled on its own gives the decode the same cache as the prompt (same logits: the cells
+    reached sequence 0, with our window's rows); two calls do not (the second did not attend to the first)."""
+    toks = decode.text_tokens(smollm2, text_file, 800)
+    tf = versus._tokens_file(tmp_path / "t.txt", toks)
+    cfg = versus.Config("ours", cache, cache)
+    got = {}
+    for prefill in (300, 700):
+        for fill in ("prompt", "independent"):
+            out = tmp_path / f"{prefill}{fill}.f32"
+            cmd = versus._probe_cmd(builds.ours(), "decode", smollm2, 768, cfg, 2, "--tokens", str(tf), "--prefill",
+                                    str(prefill), "--steps", "8", "--logits", str(out), "--fill", fill)
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            got[prefill, fill] = np.fromfile(out, np.float32).reshape(9, -1)
+    scale = np.abs(got[300, "prompt"]).max()
+    assert np.abs(got[300, "prompt"] - got[300, "independent"]).max() < 1e-4 * scale
+    assert np.abs(got[700, "prompt"] - got[700, "independent"]).max() > 1e-2 * scale
+
+
 @pytest.mark.slow
 def test_probe_repeats_keep_the_first_steps_logits(bin_dir, smollm2, text_file, tmp_path):
     toks = decode.text_tokens(smollm2, text_file, 200)
