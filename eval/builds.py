@@ -32,6 +32,7 @@ _FEATURES = {
     "RQ_PROBE_SWA_FULL": re.compile(r"\bbool\s+swa_full\s*;"),
     "RQ_PROBE_KSTATS": re.compile(r"\bconst\s+char\s*\*\s*k_stats_path\s*;"),
     "RQ_PROBE_SEQ": re.compile(r"\A(?=.*\bbool\s+kv_unified\s*;)(?=.*\bllama_memory_seq_cp\s*\()", re.S),
+    "RQ_PROBE_SEQ_KV": re.compile(r"\bllama_kv_cache_seq_cp\s*\("),
 }
 # environment variables that change what a build's flags mean: cleared for every run, so each runs its defaults
 CLEARED_ENV = ("LLAMA_", "GGML_ISOQUANT_", "GGML_RQ_", "TURBO_")

@@ -303,11 +303,11 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
     if bad or not fills:
         raise VersusError(f"unknown fill {', '.join(bad) or '(none)'}; known: {', '.join(FILLS)}")
     for f in fills:
-        lacking = sorted({c.build for c in configs if f == "independent" and "RQ_PROBE_SEQ" not in
-                          builds[c.build].features})
+        lacking = sorted({c.build for c in configs if f == "independent" and
+                          not {"RQ_PROBE_SEQ", "RQ_PROBE_SEQ_KV"} & builds[c.build].features})
         if lacking:
-            raise VersusError(f"--fill independent needs llama_memory_seq_cp and kv_unified in llama.h, which "
-                              f"{', '.join(lacking)} lack")
+            raise VersusError(f"--fill independent needs llama_memory_seq_cp and kv_unified, or "
+                              f"llama_kv_cache_seq_cp, in llama.h, which {', '.join(lacking)} lack")
     toks = dec.text_tokens(model, text, prefill + steps + 1)
     targets = np.asarray(toks[prefill:prefill + steps + 1])
     n_ctx = -(-(prefill + steps) // 256) * 256

@@ -12,6 +12,7 @@
 //   RQ_PROBE_SWA_FULL llama_context_params.swa_full: set false, as the build's own tools do (common's default)
 //   RQ_PROBE_KSTATS   ours: k_stats_path (--k-stats PATH keeps measured K statistics there; without it, not kept)
 //   RQ_PROBE_SEQ      llama_memory_seq_cp / _rm and kv_unified: --fill independent
+//   RQ_PROBE_SEQ_KV   llama_kv_cache_seq_cp / _rm (older API, one cache for every sequence): --fill independent
 // Flags not compiled in are refused by name, so a config never runs as something else.
 // The build's own log goes to stderr (the KV cache size lines are read from it); one JSON line of
 // timings goes to stdout.
@@ -76,7 +77,7 @@ static void usage() {
     fprintf(stderr,
         "usage: rq-probe decode -m MODEL --tokens FILE --prefill N --steps M [--logits OUT] [--repeat R] [context flags]\n"
         "       (--repeat R: the M steps timed R times after one prefill, the state restored before each)\n"
-#ifdef RQ_PROBE_SEQ
+#if defined(RQ_PROBE_SEQ) || defined(RQ_PROBE_SEQ_KV)
         "       (--fill independent: each 512-token call of the prompt attends only to itself, in a sequence of its\n"
         "        own, then joins the decode's: the same cells and positions without the prompt's quadratic attention)\n"
 #endif
@@ -133,7 +134,7 @@ static opts parse(int argc, char ** argv) {
 #ifdef RQ_PROBE_KSTATS
         else if (a == "--k-stats") o.rq_k_stats = val();
 #endif
-#ifdef RQ_PROBE_SEQ
+#if defined(RQ_PROBE_SEQ) || defined(RQ_PROBE_SEQ_KV)
         else if (a == "--fill") {
             std::string v = val();
             if (v != "prompt" && v != "independent") die("--fill takes prompt or independent, not " + v);
@@ -165,13 +166,15 @@ static void eval(llama_context * ctx, std::vector<llama_token> & toks, size_t at
     }
 }
 
-#ifdef RQ_PROBE_SEQ
+#if defined(RQ_PROBE_SEQ) || defined(RQ_PROBE_SEQ_KV)
 // the prompt's cells without its quadratic attention: each call evaluated in sequence 1 (empty before it, starting
 // at its own positions), then handed to sequence 0 and dropped from 1, so a call attends only to its own tokens
 // (the other cells are masked, and ggml's CPU attention skips masked keys). The decode steps that follow see the
 // same number of cells at the same positions as after the prompt; the values in them differ.
 static void eval_independent(llama_context * ctx, std::vector<llama_token> & toks, int n) {
+#ifdef RQ_PROBE_SEQ
     llama_memory_t mem = llama_get_memory(ctx);
+#endif
     llama_batch b = llama_batch_init(512, 0, 1);
     for (int done = 0; done < n;) {
         int k = std::min(512, n - done);
@@ -185,8 +188,13 @@ static void eval_independent(llama_context * ctx, std::vector<llama_token> & tok
             b.logits[i] = i == k - 1;
         }
         if (llama_decode(ctx, b) != 0) die("llama_decode failed");
+#ifdef RQ_PROBE_SEQ
         llama_memory_seq_cp(mem, 1, 0, -1, -1);
         llama_memory_seq_rm(mem, 1, -1, -1);
+#else
+        llama_kv_cache_seq_cp(ctx, 1, 0, -1, -1);
+        llama_kv_cache_seq_rm(ctx, 1, -1, -1);
+#endif
         done += k;
     }
     llama_batch_free(b);
@@ -257,7 +265,7 @@ int main(int argc, char ** argv) {
         FILE * lf = o.out.empty() ? nullptr : fopen(o.out.c_str(), "wb");
         if (!o.out.empty() && !lf) die("cannot write " + o.out);
         t0 = std::chrono::steady_clock::now();
-#ifdef RQ_PROBE_SEQ
+#if defined(RQ_PROBE_SEQ) || defined(RQ_PROBE_SEQ_KV)
         if (o.independent) eval_independent(ctx, toks, o.prefill);
         else
 #endif

@@ -219,8 +219,10 @@ def test_decode_fills_run_each_configuration_once_per_fill(bin_dir, smollm2, tex
     with pytest.raises(versus.VersusError, match="unknown fill sideways"):
         versus.decode({"ours": ours}, cfgs, smollm2, text_file, prefill=8, steps=4, fills=("sideways",))
     calls.clear()
-    old = builds.Build("old", ours.bin_dir, ours.src, ours.lib_dirs, None, ours.features - {"RQ_PROBE_SEQ"})
-    with pytest.raises(versus.VersusError, match="llama_memory_seq_cp and kv_unified .* old lack"):
+    old = builds.Build("old", ours.bin_dir, ours.src, ours.lib_dirs, None,
+                       ours.features - {"RQ_PROBE_SEQ", "RQ_PROBE_SEQ_KV"})
+    with pytest.raises(versus.VersusError, match="llama_memory_seq_cp and kv_unified, or llama_kv_cache_seq_cp, "
+                                                 "in llama.h, which old lack"):
         versus.decode({"old": old}, [versus.Config("old", "q8_0", "q8_0")], smollm2, text_file, prefill=8, steps=4,
                       fills=("independent",))
     assert not calls  # refused before anything ran
