@@ -109,8 +109,19 @@ def test_our_build_is_found_with_its_api_switches(bin_dir):
     b = builds.ours()
     assert {"RQ_PROBE_FA_TYPE", "RQ_PROBE_RQ", "RQ_PROBE_SWA_FULL"} <= b.features
     assert "RQ_PROBE_HAD" not in b.features and "RQ_PROBE_BATCH4" not in b.features
+    assert "RQ_PROBE_SEQ" in b.features  # llama_memory_seq_cp and kv_unified: --fill independent
     assert b.tool("llama-cli-missing", "llama-perplexity").name == "llama-perplexity"
     assert b.describe()["cmake"]["CMAKE_BUILD_TYPE"] == "Release"
+
+
+@pytest.mark.parametrize("header, want", [
+    ("struct p { bool kv_unified; };\nLLAMA_API void llama_memory_seq_cp(llama_memory_t mem,", {"RQ_PROBE_SEQ"}),
+    ("LLAMA_API void llama_memory_seq_cp(llama_memory_t mem,", set()),  # no unified cache to copy within
+    ("LLAMA_API void llama_kv_cache_seq_cp(\n struct llama_context * ctx,", {"RQ_PROBE_SEQ_KV"}),  # the older API
+])
+def test_the_fill_switches_read_from_llama_h(header, want):
+    got = {k for k, rx in builds._FEATURES.items() if rx.search(header)}
+    assert got & {"RQ_PROBE_SEQ", "RQ_PROBE_SEQ_KV"} == want
 
 
 def test_probe_refuses_a_flag_this_build_lacks(bin_dir, smollm2, tmp_path):
