@@ -178,19 +178,26 @@ def test_needles_rows_are_saved_as_they_finish_and_held_ones_skipped(bin_dir, sm
     assert [(r["config"], r["depth"]) for r in rows] == [("ours:f16", 0.1), ("ours:q8_0", 0.1), ("ours:f16", 0.5)]
 
 
-def test_decode_repeats_time_the_steps_again_and_take_their_median(bin_dir, smollm2, text_file, monkeypatch):
+def _fake_probe(monkeypatch, timings) -> list[list[str]]:
+    """rq-probe replaced: each call recorded, logits of zeros written where asked, timings(cmd) as its JSON line."""
     calls: list[list[str]] = []
 
     def fake_run(cmd, timeout=None, env=None):
         calls.append(cmd)
         if "--logits" in cmd:
             np.zeros((5, 1 << 16), np.float32).tofile(cmd[cmd.index("--logits") + 1])
-        x = 2.0 if "q8_0" in cmd else 1.0
-        return 0, json.dumps({"prefill_s": 1.0, "decode_s": 9 * x, "n_vocab": 1 << 16,
-                              "decode_s_repeats": [9 * x, 1 * x, 2 * x]}), "", 0.1
+        return 0, json.dumps({"prefill_s": 1.0, "n_vocab": 1 << 16, **timings(cmd)}), "", 0.1
     monkeypatch.setattr(versus, "_probe_cmd", lambda b, mode, model, ctx, cfg, t, *extra: ["rq-probe", *cfg.args(),
                                                                                            *extra])
     monkeypatch.setattr(versus, "_run", fake_run)
+    return calls
+
+
+def test_decode_repeats_time_the_steps_again_and_take_their_median(bin_dir, smollm2, text_file, monkeypatch):
+    def timings(cmd):
+        x = 2.0 if "q8_0" in cmd else 1.0
+        return {"decode_s": 9 * x, "decode_s_repeats": [9 * x, 1 * x, 2 * x]}
+    calls = _fake_probe(monkeypatch, timings)
     rows = versus.decode({"ours": builds.ours()}, [versus.Config("ours", "q8_0", "q8_0")], smollm2, text_file,
                          prefill=8, steps=4, repeats=3, progress=lambda _: None)
     assert len(calls) == 2 and all(c[c.index("--repeat") + 1] == "3" for c in calls)
@@ -202,17 +209,8 @@ def test_decode_repeats_time_the_steps_again_and_take_their_median(bin_dir, smol
 
 
 def test_decode_fills_run_each_configuration_once_per_fill(bin_dir, smollm2, text_file, monkeypatch):
-    calls: list[list[str]] = []
-
-    def fake_run(cmd, timeout=None, env=None):
-        calls.append(cmd)
-        if "--logits" in cmd:
-            np.zeros((5, 1 << 16), np.float32).tofile(cmd[cmd.index("--logits") + 1])
-        x = (2.0 if "q8_0" in cmd else 1.0) * (3.0 if "independent" in cmd else 1.0)
-        return 0, json.dumps({"prefill_s": 1.0, "decode_s": 4 * x, "n_vocab": 1 << 16}), "", 0.1
-    monkeypatch.setattr(versus, "_probe_cmd", lambda b, mode, model, ctx, cfg, t, *extra: ["rq-probe", *cfg.args(),
-                                                                                           *extra])
-    monkeypatch.setattr(versus, "_run", fake_run)
+    calls = _fake_probe(monkeypatch, lambda cmd: {"decode_s": 4 * (2.0 if "q8_0" in cmd else 1.0)
+                                                  * (3.0 if "independent" in cmd else 1.0)})
     ours = builds.ours()
     cfgs = [versus.Config("ours", "q8_0", "q8_0")]
     rows = versus.decode({"ours": ours}, cfgs, smollm2, text_file, prefill=8, steps=4,
