@@ -144,6 +144,7 @@ static opts parse(int argc, char ** argv) {
         else die("unknown flag for this build: " + a);
     }
     if (o.model.empty() || o.tokens.empty() || o.n_ctx <= 0) usage();
+    if (o.independent && o.mode != "decode") die("--fill is a decode flag: a haystack is always its prompt");
     return o;
 }
 
