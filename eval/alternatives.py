@@ -435,7 +435,9 @@ def _deep_speed(data: dict) -> str | None:
             cells = [_deep_cell(configs, model, n, r, label, p) for label, p in peers]
             ok &= all(c[1] for c in cells)
             causes |= {c[2] for c in cells if c[2]}
-            run = f" ({_src_label(src)})" if len(runs[n]) > 1 else ""  # several runs at this depth: each its own part
+            # several runs at this depth: each its own part; a cache filled call by call always says so
+            fill = src.partition("#")[2]
+            run = f" ({_src_label(src)})" if len(runs[n]) > 1 else f" ({fill} fill)" if fill else ""
             parts.append(f"{_short(model)} after {round(n / 1024)}K{run}: ours {r['decode_tps']:.1f} t/s "
                          f"({r.get('decode_tps_vs_f16', 0):.2f}× its f16); " + ", ".join(c[0] for c in cells))
     if not parts:
