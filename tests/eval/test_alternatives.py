@@ -243,6 +243,11 @@ def test_a_cache_filled_call_by_call_is_its_own_run_and_marked(results):
     note = " ".join(alt.fill_note(data))
     assert note.startswith("ⁱ decode t/s after a cache filled call by call")
     assert "Gemma3 ours:isoquant3_0 at 32K 1.06×" in note  # 38 over 36, the same run's prompt-filled row
+    (results / "versus-32k-a.json").unlink()
+    _write(results, "versus-32k-b.json", {"decode": [dec("ours:isoquant3_0", 38.0, "independent"),
+                                                      dec(ik, 30.0, "independent")]})
+    v = next(x for x in alt.verdicts(alt.load(results)) if "decode after a long prompt" in x)
+    assert "Gemma3 after 32K (independent fill): ours 38.0 t/s" in v  # one run at the depth: its fill still named
     _write(results, "versus-32k-b.json", {"decode": [dec("ours:isoquant3_0", 38.0, "independent"),
                                                       dec(ik, 40.0, "independent")]})
     with pytest.raises(alt.VerdictError, match="no longer holds"):  # faster than ours within the same fill
