@@ -196,8 +196,7 @@ def kernels_note(results: Path) -> str:
 def fill_note(data: dict) -> list[str]:
     """The footnote of rows whose cache was filled call by call: what that fill changes, from the configurations a run
     measured both ways (decode t/s over the prompt-filled row's, same file)."""
-    marked = [(m, n) for m, cs in data.items() for c in cs.values() for n, r in c["decode"].items() if "fill" in r]
-    if not marked:
+    if not any("fill" in r for cs in data.values() for c in cs.values() for r in c["decode"].values()):
         return []
     pairs = [f"{_short(m)} {label} at {round(n / 1024)}K {r['decode_tps'] / p['decode_tps']:.2f}×"
              for m, cs in data.items() for label, c in cs.items() for n, by in (c.get("decode_runs") or {}).items()

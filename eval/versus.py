@@ -302,12 +302,10 @@ def decode(builds: dict[str, B.Build], configs: Sequence[Config], model: Path, t
     bad = [f for f in fills if f not in FILLS]
     if bad or not fills:
         raise VersusError(f"unknown fill {', '.join(bad) or '(none)'}; known: {', '.join(FILLS)}")
-    for f in fills:
-        lacking = sorted({c.build for c in configs if f == "independent" and
-                          not {"RQ_PROBE_SEQ", "RQ_PROBE_SEQ_KV"} & builds[c.build].features})
-        if lacking:
-            raise VersusError(f"--fill independent needs llama_memory_seq_cp and kv_unified, or "
-                              f"llama_kv_cache_seq_cp, in llama.h, which {', '.join(lacking)} lack")
+    lacking = sorted({c.build for c in configs if not {"RQ_PROBE_SEQ", "RQ_PROBE_SEQ_KV"} & builds[c.build].features})
+    if "independent" in fills and lacking:
+        raise VersusError(f"--fill independent needs llama_memory_seq_cp and kv_unified, or "
+                          f"llama_kv_cache_seq_cp, in llama.h, which {', '.join(lacking)} lack")
     toks = dec.text_tokens(model, text, prefill + steps + 1)
     targets = np.asarray(toks[prefill:prefill + steps + 1])
     n_ctx = -(-(prefill + steps) // 256) * 256
